@@ -1,0 +1,37 @@
+"""RMSNorm as a pure function."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def init_rms_norm(dim: int, dtype=jnp.float32) -> dict:
+    """Params of an RMSNorm of width `dim`: ``{'scale': ones(dim)}``."""
+    return {"scale": jnp.ones((dim,), dtype)}
+
+
+def rms_norm(params: dict, x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """Root-mean-square normalisation over the last axis.
+
+    Computes ``(x * rsqrt(mean(x**2) + eps)).astype(x.dtype) * scale`` with the
+    statistics in float32 whatever ``x.dtype`` is, then casts back before the
+    gain is applied (the seed's and Hugging Face LLaMA's order of operations).
+
+    Args:
+      params: ``{'scale': (D,)}``.
+      x: ``(..., D)`` floating array.
+      eps: added to the mean square.
+
+    Returns:
+      Array of ``x``'s shape; dtype is ``x.dtype`` promoted with ``scale``'s.
+
+    Raises:
+      ValueError: last axis of ``x`` differs from the width of ``scale``.
+    """
+    scale = params["scale"]
+    if x.shape[-1] != scale.shape[-1]:
+        raise ValueError(f"rms_norm: input width {x.shape[-1]} != scale width {scale.shape[-1]} (x shape {x.shape})")
+    xf = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    return (xf * inv).astype(x.dtype) * scale.astype(x.dtype)

@@ -1,0 +1,35 @@
+"""SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from eae_jax.blocks.linear import init_linear, linear
+
+
+def default_ffn_hidden_dim(dim: int, multiple_of: int = 256) -> int:
+    """The seed's hidden-size rule: ``multiple_of * ceil(int(2*4*dim/3) / multiple_of)``."""
+    hidden = int(2 * (4 * dim) / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def init_swiglu(key: jax.Array, dim: int, hidden_dim: int, dtype=jnp.float32) -> dict:
+    """Params ``{'w_gate': (F, D), 'w_up': (F, D), 'w_down': (D, F)}``."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {
+        "w_gate": init_linear(k1, hidden_dim, dim, dtype),
+        "w_up": init_linear(k2, hidden_dim, dim, dtype),
+        "w_down": init_linear(k3, dim, hidden_dim, dtype),
+    }
+
+
+def swiglu(params: dict, x: jax.Array) -> jax.Array:
+    """SwiGLU FFN on ``x`` of shape ``(..., D)``; returns ``(..., D)``.
+
+    Raises:
+      ValueError: a weight's shape does not fit ``x``.
+    """
+    gate = linear(x, params["w_gate"])
+    up = linear(x, params["w_up"])
+    return linear(jax.nn.silu(gate) * up, params["w_down"])

@@ -1,0 +1,228 @@
+"""The adjoint-pass protocol and its combinators.
+
+An adjoint pass is a pair of pure functions, in the spirit of
+`optax.GradientTransformation`::
+
+    state = pass_.init(adjoint_spec, key)             # one boundary's state
+    adjoint, state = pass_.update(adjoint, state, ctx)
+
+``adjoint_spec`` is a `jax.ShapeDtypeStruct` of the adjoint at the boundary
+the state belongs to; ``key`` a PRNG key for passes that draw randomness.
+`eae_jax.reconstruct` keeps one state per block boundary, threads it through
+the jitted step and hands every adjoint flowing between two blocks (and the
+one arriving at the stack's output) to ``update`` with a `PassContext`.
+
+``update`` must return an adjoint of the same shape and dtype; a pass that
+does not is rejected at trace time with its name in the message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+class PassContext(NamedTuple):
+    """What a pass may know about where it runs.
+
+    Attributes:
+      boundary: int32 scalar, the boundary index i in x0..xL the adjoint sits at.
+      block: int32 scalar, the block whose input this boundary is (the seed's
+        ``block_index``; ``L`` for the stack's output).
+      step: int32 scalar, how many updates the carry has been through (the
+        training step, counted by `Reconstructed.update`).
+      num_boundaries: static int, ``L + 1``.
+    """
+
+    boundary: jax.Array
+    block: jax.Array
+    step: jax.Array
+    num_boundaries: int
+
+
+class AdjointTransformation(NamedTuple):
+    """A pure adjoint pass: ``init(spec, key) -> state`` and
+    ``update(adjoint, state, ctx) -> (adjoint, state)``.
+
+    Attributes:
+      init: builds the state of one boundary.
+      update: transforms one adjoint.
+      name: used in error messages, events and stats.
+      members: for a `chain`, the flattened passes it is made of.
+    """
+
+    init: Callable[[jax.ShapeDtypeStruct, jax.Array], Any]
+    update: Callable[[jax.Array, Any, PassContext], tuple]
+    name: str = "pass"
+    members: tuple = ()
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless pass."""
+
+
+def stateless(fn: Callable[[jax.Array, PassContext], jax.Array], name: str) -> AdjointTransformation:
+    """Wrap ``fn(adjoint, ctx) -> adjoint`` as a pass with no state."""
+
+    def init(spec, key):
+        del spec, key
+        return EmptyState()
+
+    def update(adjoint, state, ctx):
+        return fn(adjoint, ctx), state
+
+    return AdjointTransformation(init, update, name)
+
+
+def check_adjoint(name: str, before: jax.Array, after: Any) -> None:
+    """Raise TypeError naming the pass when it changed the adjoint's shape or dtype."""
+    if not hasattr(after, "shape") or not hasattr(after, "dtype"):
+        raise TypeError(f"adjoint pass {name!r} returned {type(after).__name__}, expected an array")
+    if tuple(after.shape) != tuple(before.shape) or after.dtype != before.dtype:
+        raise TypeError(
+            f"adjoint pass {name!r} returned an adjoint of shape {tuple(after.shape)} dtype {after.dtype}; "
+            f"it received shape {tuple(before.shape)} dtype {before.dtype} and must return the same"
+        )
+
+
+def apply_pass(pass_: AdjointTransformation, adjoint: jax.Array, state: Any, ctx: PassContext):
+    """Run ``pass_.update`` and check the result (see `check_adjoint`)."""
+    result = pass_.update(adjoint, state, ctx)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise TypeError(f"adjoint pass {pass_.name!r} must return (adjoint, state), got {type(result).__name__}")
+    new_adjoint, new_state = result
+    check_adjoint(pass_.name, adjoint, new_adjoint)
+    return new_adjoint, new_state
+
+
+def as_pass(obj: Any) -> AdjointTransformation:
+    """Coerce ``obj`` into an `AdjointTransformation`.
+
+    Accepts an `AdjointTransformation`, or an `optax.GradientTransformation`
+    (wrapped with `from_optax`).
+
+    Raises:
+      TypeError: anything else.
+    """
+    if isinstance(obj, AdjointTransformation):
+        return obj
+    try:
+        import optax
+
+        if isinstance(obj, optax.GradientTransformation):
+            return from_optax(obj)
+    except ImportError:  # pragma: no cover - optax is a hard dependency
+        pass
+    raise TypeError(
+        f"{obj!r} is not an adjoint pass; expected an eae_jax.passes.AdjointTransformation "
+        "or an optax.GradientTransformation"
+    )
+
+
+def from_optax(tx: Any, name: str | None = None) -> AdjointTransformation:
+    """Use an `optax.GradientTransformation` as an adjoint pass.
+
+    The adjoint is handed to ``tx.update`` as the "updates" of a single
+    array; params are not given (transforms that need them, such as weight
+    decay, do not make sense on an adjoint). ``tx.init`` sees a zero array of
+    the adjoint's shape. Examples: `optax.clip_by_global_norm`,
+    `optax.add_noise`, `optax.scale`.
+    """
+    label = name or f"optax:{getattr(tx, '__name__', type(tx).__name__)}"
+
+    def init(spec, key):
+        del key
+        return tx.init(jnp.zeros(spec.shape, spec.dtype))
+
+    def update(adjoint, state, ctx):
+        del ctx
+        updates, state = tx.update(adjoint, state)
+        return updates.astype(adjoint.dtype), state
+
+    return AdjointTransformation(init, update, label)
+
+
+def chain(*passes: Any) -> AdjointTransformation:
+    """Compose passes left to right: the adjoint goes through each in order.
+
+    Nested chains are flattened, so ``chain(a, chain(b, c))`` and
+    ``chain(a, b, c)`` have the same state structure and draw the same keys.
+    optax transforms are accepted and wrapped with `from_optax`.
+
+    The state is a tuple with one entry per member; the key given to
+    ``init`` is split once per member.
+    """
+    members = []
+    for p in passes:
+        p = as_pass(p)
+        members.extend(p.members if p.members else (p,))
+    members = tuple(members)
+
+    def init(spec, key):
+        if not members:
+            return ()
+        keys = jax.random.split(key, len(members))
+        return tuple(m.init(spec, k) for m, k in zip(members, keys))
+
+    def update(adjoint, state, ctx):
+        new_states = []
+        for m, s in zip(members, state):
+            adjoint, s = apply_pass(m, adjoint, s, ctx)
+            new_states.append(s)
+        return adjoint, tuple(new_states)
+
+    name = "chain(" + ", ".join(m.name for m in members) + ")"
+    return AdjointTransformation(init, update, name, members)
+
+
+def identity() -> AdjointTransformation:
+    """The pass that leaves the adjoint alone (what ``passes=None`` means)."""
+    return stateless(lambda g, ctx: g, "identity")
+
+
+def at_layers(pass_: Any, layers: Sequence[int]) -> AdjointTransformation:
+    """Apply ``pass_`` only at the given boundary indices.
+
+    Elsewhere the adjoint and the state pass through untouched. Negative
+    indices count from the output (``-1`` is boundary L). The choice is made
+    with `jax.lax.cond` on the traced boundary index, so it works inside the
+    scan over depth.
+    """
+    inner = as_pass(pass_)
+    layers = tuple(int(i) for i in layers)
+
+    def init(spec, key):
+        return inner.init(spec, key)
+
+    def update(adjoint, state, ctx):
+        wanted = jnp.asarray([i % ctx.num_boundaries for i in layers], jnp.int32)
+        active = jnp.any(ctx.boundary == wanted) if layers else jnp.asarray(False)
+        return jax.lax.cond(
+            active,
+            lambda a, s: apply_pass(inner, a, s, ctx),
+            lambda a, s: (a, s),
+            adjoint,
+            state,
+        )
+
+    return AdjointTransformation(init, update, f"at_layers({inner.name}, {list(layers)})")
+
+
+def every_n_steps(pass_: Any, n: int) -> AdjointTransformation:
+    """Apply ``pass_`` only on steps that are multiples of ``n``."""
+    inner = as_pass(pass_)
+    if n < 1:
+        raise ValueError(f"every_n_steps: n must be >= 1, got {n}")
+
+    def update(adjoint, state, ctx):
+        return jax.lax.cond(
+            ctx.step % n == 0,
+            lambda a, s: apply_pass(inner, a, s, ctx),
+            lambda a, s: (a, s),
+            adjoint,
+            state,
+        )
+
+    return AdjointTransformation(inner.init, update, f"every_n_steps({inner.name}, {n})")

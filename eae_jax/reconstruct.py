@@ -1,0 +1,508 @@
+"""`reconstruct`: boundary-only forward, block-by-block reconstruction backward.
+
+Forward keeps only the block boundaries x0..x(L-1) (optionally in a lower
+dtype, optionally in pinned host memory). Backward walks the blocks in
+reverse: it re-runs block i from its stored input x_i, takes the block's
+local VJP with the adjoint at boundary i+1, hands the input adjoint to the
+pass chain (`eae_jax.passes`), and continues. Homogeneous blocks are scanned
+over a stacked params pytree, so compile time does not grow with depth.
+
+The mechanism is a `jax.custom_vjp` around the whole stack, so the result is
+an ordinary differentiable function: use it inside your own loss, under
+``jit``, ``grad``, ``value_and_grad(has_aux=True)``.
+
+Pass state and per-boundary statistics come out of the backward pass as the
+cotangent of an extra `AdjointCarry` argument (see `eae_jax.carry`)::
+
+    stack = reconstruct(block_fn, passes=chain(int8_fake_quant(), clip_by_norm(1.0)))
+    carry = stack.init(params, x, jax.random.key(0))
+
+    def loss_fn(params, carry, x, y):
+        return jnp.mean((stack(params, x, carry) - y) ** 2)
+
+    @jax.jit
+    def step(params, carry, x, y):
+        loss, (g_params, g_carry) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, carry, x, y)
+        carry, stats = stack.update(carry, g_carry)
+        return loss, g_params, carry, stats
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from eae_jax import carry as carry_lib
+from eae_jax import offload as offload_lib
+from eae_jax.passes.base import AdjointTransformation, PassContext, apply_pass, as_pass, identity
+
+
+class Scan(NamedTuple):
+    """A run of identical blocks applied with `jax.lax.scan`.
+
+    ``fn(params_i, x) -> x`` must keep the shape and dtype of ``x``; its
+    params in the stack's param list carry a leading depth axis.
+    """
+
+    fn: Callable
+    name: Optional[str] = None
+
+
+class _Segment(NamedTuple):
+    fn: Callable
+    name: str
+    scanned: bool
+
+
+_NAMED_POLICIES = {
+    "boundaries": None,
+    "dots": "dots_with_no_batch_dims_saveable",
+    "dots_all": "dots_saveable",
+    "everything": "everything_saveable",
+}
+
+
+def resolve_policy(policy: Any):
+    """Map a policy name or `jax.checkpoint_policies` callable to a policy.
+
+    ``None`` / ``'boundaries'``: store only block boundaries (recompute all
+    block internals). ``'dots'``: also keep the outputs of matmuls without
+    batch dimensions (the projections and FFN GEMMs, not attention scores),
+    so the backward skips recomputing them. ``'dots_all'``: keep every
+    matmul output. ``'everything'``: keep all internals (no recomputation).
+    A callable is used as a `jax.checkpoint` policy.
+
+    Raises:
+      ValueError: unknown name.
+    """
+    if policy is None or callable(policy):
+        return policy
+    if isinstance(policy, str):
+        if policy not in _NAMED_POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {sorted(_NAMED_POLICIES)} or a callable")
+        name = _NAMED_POLICIES[policy]
+        return None if name is None else getattr(jax.checkpoint_policies, name)
+    raise ValueError(f"policy must be None, a name or a jax.checkpoint_policies callable, got {policy!r}")
+
+
+def _is_float(spec) -> bool:
+    return jnp.issubdtype(spec.dtype, jnp.floating)
+
+
+def _spec(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+
+
+def _fmt(spec) -> str:
+    return f"{jnp.dtype(spec.dtype).name}{list(spec.shape)}"
+
+
+def _tree_shapes(tree) -> str:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    parts = [f"{jax.tree_util.keystr(k)}: {_fmt(v)}" for k, v in leaves[:12]]
+    if len(leaves) > 12:
+        parts.append(f"... ({len(leaves)} leaves)")
+    return "{" + ", ".join(parts) + "}"
+
+
+def _norm(g: jax.Array) -> jax.Array:
+    g = g.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(g * g))
+
+
+class Reconstructed:
+    """A stack of pure blocks with explicit adjoint execution.
+
+    Call it as ``stack(params, x, carry=None, side=None)``; see
+    `reconstruct` for the meaning of each argument.
+    """
+
+    def __init__(self, segments: List[_Segment], passes: AdjointTransformation, boundary_dtype, offload: bool,
+                 policy, stats: bool, single: bool):
+        self.segments = segments
+        self.passes = passes
+        self.boundary_dtype = None if boundary_dtype is None else jnp.dtype(boundary_dtype)
+        self.offload = offload
+        self.policy = policy
+        self.collect_stats = stats
+        self._single = single  # the user gave one block fn: params is the stacked tree itself
+
+    # ------------------------------------------------------------------ shapes
+    def _param_list(self, params):
+        if self._single:
+            return [params]
+        if not isinstance(params, (list, tuple)):
+            raise TypeError(
+                f"this stack has {len(self.segments)} segments; params must be a list/tuple with one entry "
+                f"per segment, got {type(params).__name__}"
+            )
+        if len(params) != len(self.segments):
+            raise ValueError(
+                f"this stack has {len(self.segments)} segments ({', '.join(s.name for s in self.segments)}) "
+                f"but {len(params)} param entries were given"
+            )
+        return list(params)
+
+    def _call_block(self, seg: _Segment, p, h, side):
+        return seg.fn(p, h) if side is None else seg.fn(p, h, side)
+
+    def _depth(self, seg: _Segment, p) -> int:
+        leaves = jax.tree_util.tree_leaves(p)
+        if not leaves:
+            raise ValueError(f"scanned segment {seg.name!r} has no params; a Scan needs stacked params to scan over")
+        depths = {int(l.shape[0]) if getattr(l, "ndim", 0) else -1 for l in leaves}
+        if len(depths) != 1 or -1 in depths:
+            raise ValueError(
+                f"scanned segment {seg.name!r}: every param leaf needs the same leading depth axis, got "
+                f"{_tree_shapes(p)}"
+            )
+        return depths.pop()
+
+    def layout(self, params, x, side=None):
+        """Trace shapes only: returns ``(depths, boundary_specs)``.
+
+        ``depths[s]`` is the number of blocks in segment s; ``boundary_specs``
+        lists the `jax.ShapeDtypeStruct` of x0..xL.
+
+        Raises:
+          ValueError: a block fails on its input or changes a scanned
+            boundary's shape/dtype; the message names the block and shapes.
+        """
+        plist = self._param_list(params)
+        h = _spec(x)
+        depths, specs = [], []
+        index = 0
+        for seg, p in zip(self.segments, plist):
+            if seg.scanned:
+                n = self._depth(seg, p)
+                p_one = jax.tree_util.tree_map(lambda l: jax.ShapeDtypeStruct(l.shape[1:], l.dtype), p)
+            else:
+                n, p_one = 1, p
+            try:
+                out = jax.eval_shape(lambda pp, hh: self._call_block(seg, pp, hh, side), p_one, h)
+            except Exception as err:  # re-raised with the block named
+                raise ValueError(
+                    f"block {seg.name!r} (block index {index}) failed on input {_fmt(h)} with params "
+                    f"{_tree_shapes(p_one)}: {err}"
+                ) from err
+            if not isinstance(out, jax.ShapeDtypeStruct):
+                raise TypeError(f"block {seg.name!r} must return one array, got {out}")
+            if seg.scanned and (out.shape != h.shape or out.dtype != h.dtype):
+                raise ValueError(
+                    f"scanned block {seg.name!r} maps {_fmt(h)} to {_fmt(out)}; blocks inside a Scan must keep "
+                    "the shape and dtype of their input"
+                )
+            for _ in range(n):
+                specs.append(h)
+            depths.append(n)
+            index += n
+            h = out
+        specs.append(h)
+        return depths, specs
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self, spec, key):
+        return self.passes.init(spec, key) if _is_float(spec) else None
+
+    def init(self, params, x, key: Optional[jax.Array] = None, side=None) -> carry_lib.AdjointCarry:
+        """Build the carry: one pass state per boundary, step 0, stats slots.
+
+        Args:
+          params, x, side: example inputs (only shapes are used).
+          key: PRNG key for the passes' initial state (default ``key(0)``).
+
+        Returns:
+          An `AdjointCarry` to pass to the stack and to `update`.
+        """
+        if key is None:
+            key = jax.random.key(0)
+        depths, specs = self.layout(params, x, side)
+        keys = jax.random.split(key, len(specs))
+        seg_states, b = [], 0
+        for seg, n in zip(self.segments, depths):
+            spec = specs[b]
+            if seg.scanned:
+                if _is_float(spec):
+                    seg_states.append(jax.vmap(lambda k: self._init_state(spec, k))(keys[b:b + n]))
+                else:
+                    seg_states.append(None)
+            else:
+                seg_states.append(self._init_state(spec, keys[b]))
+            b += n
+        top = self._init_state(specs[-1], keys[-1])
+        num = len(specs)
+        tree = {
+            "step": jnp.zeros((), jnp.int32),
+            "state": {"segments": seg_states, "top": top},
+            "stats": {
+                "adjoint_norm": jnp.zeros((num,), jnp.float32),
+                "adjoint_norm_after_passes": jnp.zeros((num,), jnp.float32),
+            },
+        }
+        return carry_lib.encode(tree)
+
+    def state(self, carry: carry_lib.AdjointCarry):
+        """Decoded pass state: ``{'segments': [...], 'top': ...}``.
+
+        A scanned segment's state has a leading axis over its boundaries;
+        ``top`` belongs to the output boundary xL.
+        """
+        return carry_lib.decode(carry)["state"]
+
+    def update(self, carry: carry_lib.AdjointCarry, carry_grad: carry_lib.AdjointCarry, strict: bool = True):
+        """Fold the carry's cotangent into the next carry.
+
+        Returns:
+          ``(new_carry, stats)`` where stats holds per-boundary float32
+          arrays of length L+1 (index i is boundary x_i): ``adjoint_norm``
+          (the adjoint as the VJP produced it) and
+          ``adjoint_norm_after_passes``; plus ``step`` (steps done before this
+          one) and ``calls`` (backward runs that wrote this carry: 1 when all
+          is well). The new carry's step is one higher.
+
+        With ``strict`` (default) a carry written by zero or several
+        backward passes raises (see `eae_jax.carry.decode_update`);
+        either way the old state is kept then.
+        """
+        new, calls = carry_lib.decode_update(carry, carry_grad, strict=strict)
+        tree = carry_lib.decode(new)
+        stats = dict(tree["stats"])
+        stats["step"] = tree["step"]
+        stats["calls"] = calls
+        tree["step"] = tree["step"] + 1
+        return carry_lib.encode_like(tree, new, calls=0.0), stats
+
+    # ------------------------------------------------------------------ forward
+    def _store(self, h):
+        if self.boundary_dtype is not None and jnp.issubdtype(h.dtype, jnp.floating):
+            h = h.astype(self.boundary_dtype)
+        if self.offload:
+            h = offload_lib.to_host(h)
+        return h
+
+    def _load(self, stored, spec):
+        if self.offload:
+            stored = offload_lib.to_device(stored)
+        return stored.astype(spec.dtype)
+
+    def _block_forward(self, seg, p, h, side, layouts):
+        """Run one block forward; return (output, residuals for its backward)."""
+        if self.policy is None:
+            return self._call_block(seg, p, h, side), self._store(h)
+        fn = jax.checkpoint(lambda pp, hh: self._call_block(seg, pp, hh, side), policy=self.policy)
+        if jnp.issubdtype(h.dtype, jnp.floating):
+            y, vjp = jax.vjp(fn, p, h)
+        else:
+            y, vjp = jax.vjp(lambda pp: fn(pp, h), p)
+        leaves, treedef = jax.tree_util.tree_flatten(vjp)
+        # Residuals that are the params themselves are not stored again (that
+        # would copy the whole stacked params); the backward re-supplies them.
+        p_ids = {id(l): i for i, l in enumerate(jax.tree_util.tree_leaves(p))}
+        layout = tuple(p_ids.get(id(l), -1) for l in leaves)
+        kept = [l for l, pos in zip(leaves, layout) if pos < 0]
+        layouts[seg.name] = (treedef, layout)
+        return y, kept
+
+    def _forward(self, plist, x, side, layouts):
+        h = x
+        saved = []
+        for seg, p in zip(self.segments, plist):
+            if seg.scanned:
+                def body(hh, pp, seg=seg):
+                    return self._block_forward(seg, pp, hh, side, layouts)
+
+                h, res = jax.lax.scan(body, h, p)
+            else:
+                h, res = self._block_forward(seg, p, h, side, layouts)
+            saved.append(res)
+        return h, saved
+
+    # ------------------------------------------------------------------ backward
+    def _block_backward(self, seg, p, res, g, spec, side, layouts):
+        """VJP of one block at adjoint ``g``; returns (param grads, input adjoint or None)."""
+        float_in = _is_float(spec)
+        if self.policy is None:
+            h = self._load(res, spec)
+            if float_in:
+                _, vjp = jax.vjp(lambda pp, hh: self._call_block(seg, pp, hh, side), p, h)
+                gp, gh = vjp(g)
+            else:
+                _, vjp = jax.vjp(lambda pp: self._call_block(seg, pp, h, side), p)
+                (gp,), gh = vjp(g), None
+            return gp, gh
+        treedef, layout = layouts[seg.name]
+        p_leaves = jax.tree_util.tree_leaves(p)
+        kept = iter(res)
+        leaves = [p_leaves[pos] if pos >= 0 else next(kept) for pos in layout]
+        vjp = jax.tree_util.tree_unflatten(treedef, leaves)
+        if float_in:
+            gp, gh = vjp(g)
+        else:
+            (gp,), gh = vjp(g), None
+        return gp, gh
+
+    def _boundary(self, g, state, boundary, step, num):
+        """Apply the pass chain at one boundary; return (g, state, norm_in, norm_out)."""
+        if g is None:
+            zero = jnp.zeros((), jnp.float32)
+            return None, state, zero, zero
+        norm_in = _norm(g) if self.collect_stats else jnp.zeros((), jnp.float32)
+        ctx = PassContext(jnp.asarray(boundary, jnp.int32), jnp.asarray(boundary, jnp.int32), step, num)
+        g, state = apply_pass(self.passes, g, state, ctx)
+        norm_out = _norm(g) if (self.collect_stats and self.passes.name != "identity") else norm_in
+        return g, state, norm_in, norm_out
+
+    def _backward(self, plist, saved, carry, side, specs, depths, g, layouts):
+        tree = carry_lib.decode(carry)
+        step = tree["step"]
+        seg_states = list(tree["state"]["segments"])
+        num = len(specs)
+        norms_in = [None] * len(self.segments)
+        norms_out = [None] * len(self.segments)
+        grads = [None] * len(self.segments)
+
+        g, top, top_in, top_out = self._boundary(g, tree["state"]["top"], num - 1, step, num)
+        offsets = [sum(depths[:s]) for s in range(len(self.segments))]
+        for s in reversed(range(len(self.segments))):
+            seg, p, res, n, off = self.segments[s], plist[s], saved[s], depths[s], offsets[s]
+            spec = specs[off]
+            if seg.scanned:
+                def body(gg, xs, seg=seg, spec=spec):
+                    p_i, res_i, st_i, b = xs
+                    gp, gh = self._block_backward(seg, p_i, res_i, gg, spec, side, layouts)
+                    gh, st_i, nin, nout = self._boundary(gh, st_i, b, step, num)
+                    if gh is None:  # non-float input: nothing flows on, keep the carry's type
+                        gh = gg
+                    return gh, (gp, st_i, nin, nout)
+
+                idx = off + jnp.arange(n, dtype=jnp.int32)
+                g_new, (gp, st, nin, nout) = jax.lax.scan(body, g, (p, res, seg_states[s], idx), reverse=True)
+                g = g_new if _is_float(spec) else None
+            else:
+                gp, gh = self._block_backward(seg, p, res, g, spec, side, layouts)
+                g, st, nin, nout = self._boundary(gh, seg_states[s], off, step, num)
+                nin, nout = nin[None], nout[None]
+            grads[s], seg_states[s], norms_in[s], norms_out[s] = gp, st, nin, nout
+
+        if self.collect_stats:
+            stats = {
+                "adjoint_norm": jnp.concatenate(norms_in + [top_in[None]]),
+                "adjoint_norm_after_passes": jnp.concatenate(norms_out + [top_out[None]]),
+            }
+        else:
+            stats = tree["stats"]
+        new_tree = {"step": step, "state": {"segments": seg_states, "top": top}, "stats": stats}
+        return grads, g, carry_lib.encode_like(new_tree, carry, calls=1.0)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, params, x, carry: Optional[carry_lib.AdjointCarry] = None, side=None):
+        """Apply the stack: ``x0 = x``, ``x(i+1) = block_i(params_i, x_i)``; returns xL.
+
+        Args:
+          params: the stacked params (one block fn given) or a list with one
+            entry per segment.
+          x: the stack's input (any dtype; int token ids are fine for an
+            embedding block: no adjoint flows into them).
+          carry: from `init`; without one, a fresh carry is made on the fly
+            and its updates are dropped (fine for stateless passes).
+          side: optional non-differentiated input given to every block as a
+            third argument (masks, positions, tables).
+
+        Raises:
+          ValueError / TypeError: mismatched params, shapes or dtypes, naming
+            the block.
+        """
+        plist = self._param_list(params)
+        depths, specs = self.layout(params, x, side)
+        if carry is None:
+            carry = self.init(params, x, side=side)
+        elif not isinstance(carry, carry_lib.AdjointCarry):
+            raise TypeError(f"carry must be the AdjointCarry made by init(), got {type(carry).__name__}")
+        layouts = {}  # per call: vjp residual layouts recorded by the forward for the backward
+        x_float = _is_float(specs[0])
+
+        @jax.custom_vjp
+        def run(plist, x, carry, side):
+            return self._forward(plist, x, side, layouts)[0]
+
+        def fwd(plist, x, carry, side):
+            y, saved = self._forward(plist, x, side, layouts)
+            return y, (plist, saved, carry, side)
+
+        def bwd(res, g):
+            plist, saved, carry, side = res
+            grads, gx, gcarry = self._backward(plist, saved, carry, side, specs, depths, g, layouts)
+            if not x_float:
+                gx = None
+            return grads, gx, gcarry, None
+
+        run.defvjp(fwd, bwd)
+        return run(plist, x, carry, side)
+
+
+def reconstruct(
+    blocks: Any,
+    *,
+    passes: Any = None,
+    boundary_dtype: Any = None,
+    offload: bool = False,
+    policy: Any = None,
+    stats: bool = True,
+) -> Reconstructed:
+    """Turn pure block functions into a stack with explicit adjoint execution.
+
+    Args:
+      blocks: either one block function ``fn(params_i, x) -> x`` applied over
+        a stacked params tree (leading depth axis, scanned), or a sequence
+        whose items are block functions (one block, its own params) or
+        `Scan` (a scanned run of identical blocks). With a sequence, params
+        is a list with one entry per item. Blocks may close over constants,
+        not over values being differentiated; pass those as ``side``.
+      passes: an adjoint pass (`eae_jax.passes`), an optax
+        GradientTransformation, or a list of them (chained). Applied at every
+        float boundary, the output boundary xL included; None is the identity.
+      boundary_dtype: store the boundaries in this dtype (e.g. bf16 for an
+        fp32 model); the forward is unaffected, the backward recomputes each
+        block from the rounded boundary.
+      offload: keep the stored boundaries in pinned host memory.
+      policy: None/``'boundaries'`` (keep only boundaries), ``'dots'``,
+        ``'dots_all'``, ``'everything'``, or a `jax.checkpoint_policies`
+        callable: which block internals the forward also keeps so the
+        backward need not recompute them.
+      stats: collect per-boundary adjoint norms into the carry.
+
+    Returns:
+      A `Reconstructed` stack.
+
+    Raises:
+      TypeError: ``blocks`` or ``passes`` of the wrong kind.
+    """
+    single = callable(blocks) and not isinstance(blocks, Scan)
+    items: Sequence[Any] = [Scan(blocks)] if single else list(blocks)
+    if not items:
+        raise ValueError("reconstruct needs at least one block")
+    segments = []
+    for i, item in enumerate(items):
+        if isinstance(item, Scan):
+            if not callable(item.fn):
+                raise TypeError(f"Scan item {i} holds {item.fn!r}, not a function")
+            segments.append(_Segment(item.fn, item.name or f"{getattr(item.fn, '__name__', 'block')}[{i}]", True))
+        elif callable(item):
+            segments.append(_Segment(item, f"{getattr(item, '__name__', 'block')}[{i}]", False))
+        else:
+            raise TypeError(f"block {i} is {item!r}; expected a function or eae_jax.Scan")
+    if passes is None:
+        chain_ = identity()
+    elif isinstance(passes, (list, tuple)):
+        from eae_jax.passes.base import chain
+
+        chain_ = chain(*passes)
+    else:
+        chain_ = as_pass(passes)
+    if boundary_dtype is not None:
+        from eae_jax.dtypes import parse_compute_dtype
+
+        boundary_dtype = parse_compute_dtype(boundary_dtype)
+    return Reconstructed(segments, chain_, boundary_dtype, offload, resolve_policy(policy), stats, single)

@@ -1,0 +1,172 @@
+"""A whole LLaMA-style language model: embedding, block stack, final norm, head.
+
+Params are a plain dict::
+
+    {'embed': (V, D),
+     'blocks': <stacked block params, leading depth axis>,
+     'final_norm': {'scale': (D,)},
+     'lm_head': (V, D)}            # absent when cfg.tie_embeddings
+
+`lm_apply` is the plain reference forward; `lm_stack` gives the same model as
+an `eae_jax.reconstruct` stack of three segments (embedding, scanned blocks,
+head), with `split_params` / `merge_grads` to move between the dict and the
+segment list (tied embeddings get the sum of both uses' gradients).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from eae_jax.blocks.linear import linear
+from eae_jax.blocks.norm import init_rms_norm, rms_norm
+from eae_jax.blocks.transformer import BlockConfig, check_block_params, decoder_block, init_stack, plain_stack
+from eae_jax.reconstruct import Scan, reconstruct
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """A decoder-only language model.
+
+    Attributes:
+      vocab_size: number of token ids V.
+      depth: number of decoder blocks L.
+      block: the block configuration (width, heads, RoPE convention ...).
+      tie_embeddings: the head reuses the embedding table (llama2.c style).
+    """
+
+    vocab_size: int
+    depth: int
+    block: BlockConfig
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.vocab_size < 1 or self.depth < 1:
+            raise ValueError(f"vocab_size and depth must be >= 1, got {self.vocab_size}, {self.depth}")
+
+    @property
+    def dim(self) -> int:
+        return self.block.dim
+
+    def num_params(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        per_block = sum(int(jnp.prod(jnp.asarray(s))) for s in jax.tree_util.tree_leaves(
+            self.block.param_shapes(), is_leaf=lambda t: isinstance(t, tuple)))
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.depth * per_block + self.dim + head
+
+
+def init_lm(key: jax.Array, cfg: LMConfig, dtype=jnp.float32) -> dict:
+    """Random params for ``cfg`` (embedding ~ N(0, 1), blocks as `init_stack`)."""
+    ke, kb, kh = jax.random.split(key, 3)
+    params = {
+        "embed": jax.random.normal(ke, (cfg.vocab_size, cfg.dim), dtype),
+        "blocks": init_stack(kb, cfg.block, cfg.depth, dtype),
+        "final_norm": init_rms_norm(cfg.dim, dtype),
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = jax.random.normal(kh, (cfg.vocab_size, cfg.dim), dtype) / jnp.sqrt(cfg.dim).astype(dtype)
+    return params
+
+
+def check_lm_params(params: Any, cfg: LMConfig) -> None:
+    """Raise ValueError listing every missing, unexpected or mis-shaped entry."""
+    if not isinstance(params, dict):
+        raise ValueError(f"LM params must be a dict, got {type(params).__name__}")
+    want = {"embed", "blocks", "final_norm"} | (set() if cfg.tie_embeddings else {"lm_head"})
+    problems = [f"missing {k}" for k in sorted(want - set(params))]
+    problems += [f"unexpected {k}" for k in sorted(set(params) - want)]
+    if "embed" in params and tuple(params["embed"].shape) != (cfg.vocab_size, cfg.dim):
+        problems.append(f"embed: shape {tuple(params['embed'].shape)}, expected {(cfg.vocab_size, cfg.dim)}")
+    if "lm_head" in params and "lm_head" in want and tuple(params["lm_head"].shape) != (cfg.vocab_size, cfg.dim):
+        problems.append(f"lm_head: shape {tuple(params['lm_head'].shape)}, expected {(cfg.vocab_size, cfg.dim)}")
+    if "final_norm" in params and tuple(params["final_norm"]["scale"].shape) != (cfg.dim,):
+        problems.append(f"final_norm/scale: shape {tuple(params['final_norm']['scale'].shape)}, expected {(cfg.dim,)}")
+    if problems:
+        raise ValueError("LM params do not match the config:\n  " + "\n  ".join(problems))
+    check_block_params(params["blocks"], cfg.block, leading=(cfg.depth,), where="blocks")
+
+
+def embed(table: jax.Array, tokens: jax.Array, dtype: Optional[Any] = None) -> jax.Array:
+    """Look up ``tokens`` (int, ``(batch, seq)``) in ``table`` ``(V, D)`` -> ``(batch, seq, D)``."""
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"token ids must be integers, got dtype {tokens.dtype}")
+    out = jnp.take(table, tokens, axis=0)
+    return out if dtype is None else out.astype(dtype)
+
+
+def head(final_norm: dict, table: jax.Array, x: jax.Array, eps: float) -> jax.Array:
+    """Final RMSNorm then ``x @ table.T``; logits in float32 ``(batch, seq, V)``."""
+    h = rms_norm(final_norm, x, eps)
+    return linear(h, table.astype(h.dtype)).astype(jnp.float32)
+
+
+def _head_table(params: dict, cfg: LMConfig) -> jax.Array:
+    return params["embed"] if cfg.tie_embeddings else params["lm_head"]
+
+
+def lm_apply(params: dict, tokens: jax.Array, cfg: LMConfig, remat_policy: Any = "none") -> jax.Array:
+    """Plain forward: float32 logits ``(batch, seq, V)`` for int tokens ``(batch, seq)``."""
+    x = embed(params["embed"], tokens, cfg.block.compute_dtype)
+    x = plain_stack(decoder_block(cfg.block), params["blocks"], x, remat_policy)
+    return head(params["final_norm"], _head_table(params, cfg), x, cfg.block.norm_eps)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: Optional[jax.Array] = None) -> jax.Array:
+    """Mean token cross-entropy in float32 (``mask`` selects the counted tokens)."""
+    logits = logits.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = logz - picked
+    if mask is None:
+        return jnp.mean(nll)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def lm_stack(cfg: LMConfig, block_fn=None, **reconstruct_kwargs):
+    """The LM as a reconstruct stack: ``[embedding, Scan(blocks), head]``.
+
+    Args:
+      cfg: the model.
+      block_fn: block function to scan (default ``decoder_block(cfg.block)``;
+        pass one with fp8 seams, for instance).
+      **reconstruct_kwargs: forwarded to `eae_jax.reconstruct` (passes,
+        boundary_dtype, policy, offload, stats).
+
+    Returns:
+      A `Reconstructed` whose params are ``split_params(params, cfg)`` and
+      whose output is float32 logits.
+    """
+    dtype = cfg.block.compute_dtype
+    eps = cfg.block.norm_eps
+
+    def embedding(table, tokens):
+        return embed(table, tokens, dtype)
+
+    def lm_head(p, x):
+        return head(p["final_norm"], p["table"], x, eps)
+
+    return reconstruct(
+        [embedding, Scan(block_fn or decoder_block(cfg.block), "decoder_block"), lm_head],
+        **reconstruct_kwargs,
+    )
+
+
+def split_params(params: dict, cfg: LMConfig) -> list:
+    """Dict params -> the segment list `lm_stack` takes."""
+    return [params["embed"], params["blocks"], {"final_norm": params["final_norm"], "table": _head_table(params, cfg)}]
+
+
+def merge_grads(grads: list, cfg: LMConfig) -> dict:
+    """Segment-list gradients -> the dict layout (tied tables summed)."""
+    g_embed, g_blocks, g_head = grads
+    out = {"embed": g_embed, "blocks": g_blocks, "final_norm": g_head["final_norm"]}
+    if cfg.tie_embeddings:
+        out["embed"] = g_embed + g_head["table"]
+    else:
+        out["lm_head"] = g_head["table"]
+    return out

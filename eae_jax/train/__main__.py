@@ -1,0 +1,3 @@
+from eae_jax.train.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""``eae-jax train``: argument parsing for `eae_jax.train.train`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from eae_jax.train.config import PRESETS, TrainConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per TrainConfig field (``--boundary-dtype`` for ``boundary_dtype`` ...)."""
+    defaults = TrainConfig.__dataclass_fields__
+    help_text = {
+        "preset": f"model/batch preset: {', '.join(PRESETS)}",
+        "dtype": "fp32 | bf16 | fp16 (compute and boundary dtype; params stay fp32)",
+        "passes": "adjoint pass chain, e.g. 'int8,clip=1.0' (see eae_jax.train.config.parse_passes)",
+        "policy": "reconstruct policy: boundaries | dots | dots_all | everything",
+        "data": "token file (.npy or uint16 .bin); default: a learnable synthetic task",
+        "grad_accum_dtype": "dtype gradients are accumulated in across microbatches (fp32 | bf16)",
+        "devices": "number of devices for data parallelism (default: all)",
+    }
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = defaults[field.name].default
+        if field.type in ("bool",) or isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text.get(field.name))
+            continue
+        kind = {int: int, float: float}.get(type(default), str)
+        if field.name in ("batch", "seq_len", "devices"):
+            kind = int
+        if field.name == "grad_clip":
+            kind = float
+        parser.add_argument(flag, type=kind, default=default, help=help_text.get(field.name))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the TrainConfig from parsed args, train, print the summary as JSON."""
+    from eae_jax.train.loop import train
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    summary = train(TrainConfig(**values))
+    print(json.dumps(summary))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="eae-jax train", description="Train a LLaMA-style LM with eae_jax.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

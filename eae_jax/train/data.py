@@ -1,0 +1,66 @@
+"""Token batches for training: a learnable synthetic task or a token file."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def synthetic_batch(key: jax.Array, batch: int, seq_len: int, vocab_size: int) -> jax.Array:
+    """Int32 ``(batch, seq_len + 1)`` sequences ``t_i = (a + b*i) mod V``.
+
+    ``a`` is uniform, the stride ``b`` is drawn from 1..8, so the next token is
+    predictable from the two before it: loss can fall from ``log V`` towards 0
+    and a working training loop shows it.
+    """
+    ka, kb = jax.random.split(key)
+    start = jax.random.randint(ka, (batch, 1), 0, vocab_size)
+    stride = jax.random.randint(kb, (batch, 1), 1, 9)
+    pos = jnp.arange(seq_len + 1)[None, :]
+    return ((start + stride * pos) % vocab_size).astype(jnp.int32)
+
+
+class TokenFile:
+    """Random windows from a flat file of token ids.
+
+    Accepts ``.npy`` (any integer dtype) or raw ``.bin`` of uint16 (llama2.c's
+    pretokenized shards).
+
+    Raises:
+      FileNotFoundError / ValueError: missing file, too short for one window,
+        or ids outside the vocabulary.
+    """
+
+    def __init__(self, path: str, vocab_size: int, seq_len: int):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"token file {path} does not exist")
+        if path.endswith(".npy"):
+            tokens = np.load(path, mmap_mode="r")
+        else:
+            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        if tokens.ndim != 1:
+            tokens = tokens.reshape(-1)
+        if tokens.shape[0] < seq_len + 2:
+            raise ValueError(f"token file {path} holds {tokens.shape[0]} tokens; one window needs {seq_len + 2}")
+        top = int(np.max(tokens[: min(tokens.shape[0], 1 << 20)]))
+        if top >= vocab_size:
+            raise ValueError(f"token file {path} has id {top} >= vocab_size {vocab_size}")
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def batch(self, key: jax.Array, batch: int) -> jax.Array:
+        """Int32 ``(batch, seq_len + 1)`` windows at positions drawn from ``key``."""
+        high = self.tokens.shape[0] - self.seq_len - 1
+        starts = np.asarray(jax.random.randint(key, (batch,), 0, high))
+        rows = [np.asarray(self.tokens[s: s + self.seq_len + 1], np.int32) for s in starts]
+        return jnp.asarray(np.stack(rows))
+
+
+def make_batches(key: jax.Array, source: Optional[TokenFile], steps_batch: int, seq_len: int, vocab: int):
+    """One step's tokens from ``source`` (None: synthetic)."""
+    if source is None:
+        return synthetic_batch(key, steps_batch, seq_len, vocab)
+    return source.batch(key, steps_batch)

@@ -1,0 +1,180 @@
+"""The training loop: a jitted step around a reconstruct LM, checkpoints, logs.
+
+One optimizer step takes a ``(microbatches, batch/microbatches, seq+1)``
+token block, scans over the microbatches (gradients accumulated in
+``grad_accum_dtype``; the adjoint carry threaded through every backward),
+clips, applies AdamW, and returns metrics. With several devices the batch is
+sharded over a one-axis ``data`` mesh and the params are replicated; XLA
+inserts the gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from eae_jax.dtypes import parse_compute_dtype
+from eae_jax.models.llama import cross_entropy, init_lm, lm_stack, split_params
+from eae_jax.train import checkpoint as ckpt
+from eae_jax.train.config import TrainConfig, parse_passes
+from eae_jax.train.data import TokenFile, make_batches
+
+
+class TrainState(NamedTuple):
+    """Everything that changes from step to step (and is checkpointed)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    carry: Any
+    key: jax.Array
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and cosine decay, global-norm clipping first."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
+                                                  cfg.lr * 0.1)
+    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
+    return optax.chain(*parts, optax.adamw(schedule, weight_decay=cfg.weight_decay))
+
+
+def make_train_step(cfg: TrainConfig, stack, tx, model):
+    """Build ``step(state, tokens) -> (state, metrics)`` (not yet jitted).
+
+    ``tokens`` is int32 ``(microbatches, micro_batch, seq_len + 1)``.
+    """
+    accum_dtype = parse_compute_dtype(cfg.grad_accum_dtype)
+
+    def loss_fn(params, carry, tokens):
+        logits = stack(split_params(params, model), tokens[:, :-1], carry)
+        return cross_entropy(logits, tokens[:, 1:])
+
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1))
+
+    def step(state: TrainState, tokens: jax.Array):
+        def micro(acc, mb_tokens):
+            grads_acc, carry = acc
+            loss, (grads, g_carry) = grad_fn(state.params, carry, mb_tokens)
+            carry, stats = stack.update(carry, g_carry, strict=False)
+            grads_acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(accum_dtype), grads_acc, grads)
+            return (grads_acc, carry), (loss, stats)
+
+        zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), state.params)
+        (grads, carry), (losses, stats) = jax.lax.scan(micro, (zeros, state.carry), tokens)
+        n = tokens.shape[0]
+        grads = jax.tree_util.tree_map(lambda g, p: (g.astype(jnp.float32) / n).astype(p.dtype), grads, state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": jnp.mean(losses),
+            "grad_norm": optax.global_norm(grads),
+            # per boundary x0..xL, from the last microbatch
+            "adjoint_norm": stats["adjoint_norm"][-1],
+            "adjoint_norm_after_passes": stats["adjoint_norm_after_passes"][-1],
+            "carry_calls": jnp.min(stats["calls"]),
+        }
+        new_state = TrainState(state.step + 1, params, opt_state, carry, state.key)
+        return new_state, metrics
+
+    return step
+
+
+def _mesh(devices: Optional[int]):
+    available = jax.devices()
+    count = len(available) if devices is None else devices
+    if count < 1 or count > len(available):
+        raise ValueError(f"devices={devices} but {len(available)} are available")
+    return jax.sharding.Mesh(np.array(available[:count]), ("data",))
+
+
+def init_state(cfg: TrainConfig, model, stack, tx) -> TrainState:
+    """Fresh params, optimizer state and adjoint carry from ``cfg.seed``."""
+    key = jax.random.key(cfg.seed)
+    k_params, k_carry, k_data = jax.random.split(key, 3)
+    params = init_lm(k_params, model)
+    example = jnp.zeros((cfg.batch // cfg.microbatches, cfg.seq_len), jnp.int32)
+    carry = stack.init(split_params(params, model), example, k_carry)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), carry, k_data)
+
+
+class JsonlLog:
+    """Append-only JSON-lines log (one object per line, flushed each write)."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
+    """Run (or resume) a training run; returns a summary dict.
+
+    ``until`` stops this invocation after that step (a checkpoint is written
+    there) without changing the run's schedule, as a pre-empted job would.
+
+    Writes ``<out>/log.jsonl`` (one record per logged step) and checkpoints
+    under ``<out>/checkpoints`` (atomic; the newest is resumed when
+    ``cfg.resume``).
+    """
+    model = cfg.model()
+    stack = lm_stack(model, passes=parse_passes(cfg.passes), boundary_dtype=cfg.boundary_dtype,
+                     policy=cfg.policy, offload=cfg.offload)
+    tx = make_optimizer(cfg)
+    state = init_state(cfg, model, stack, tx)
+    ckpt_dir = os.path.join(cfg.out, "checkpoints")
+    resumed_from = None
+    if cfg.resume and ckpt.latest(ckpt_dir):
+        resumed_from = ckpt.latest(ckpt_dir)
+        state, _ = ckpt.restore(resumed_from, state)
+        log_fn(f"resumed from {resumed_from} at step {int(state.step)}")
+    source = TokenFile(cfg.data, model.vocab_size, cfg.seq_len) if cfg.data else None
+
+    mesh = _mesh(cfg.devices)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data", None))
+    micro_batch = cfg.batch // cfg.microbatches
+    if micro_batch % mesh.size:
+        raise ValueError(f"micro-batch {micro_batch} does not split over {mesh.size} devices")
+    state = jax.device_put(state, replicated)
+    step_fn = jax.jit(make_train_step(cfg, stack, tx, model), donate_argnums=(0,))
+
+    log = JsonlLog(os.path.join(cfg.out, "log.jsonl"))
+    first_loss = last_loss = None
+    t_last, tokens_per_step = time.perf_counter(), cfg.batch * cfg.seq_len
+    start_step = int(state.step)
+    last_step = cfg.steps if until is None else min(until, cfg.steps)
+    for step in range(start_step, last_step):
+        data_key = jax.random.fold_in(state.key, step)
+        tokens = make_batches(data_key, source, cfg.batch, cfg.seq_len, model.vocab_size)
+        tokens = jax.device_put(tokens.reshape(cfg.microbatches, micro_batch, -1), data_sharding)
+        state, metrics = step_fn(state, tokens)
+        done = step + 1
+        if done % cfg.log_every == 0 or done == last_step or done == start_step + 1:
+            metrics = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist())
+                       for k, v in jax.device_get(metrics).items()}
+            if not np.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"loss became {metrics['loss']} at step {done}; last checkpoint kept")
+            now = time.perf_counter()
+            steps_since = done - start_step if done == start_step + 1 else cfg.log_every
+            metrics.update(step=done, seconds=now - t_last, tokens_per_s=tokens_per_step * steps_since / (now - t_last))
+            t_last = now
+            first_loss = metrics["loss"] if first_loss is None else first_loss
+            last_loss = metrics["loss"]
+            log.write(metrics)
+            log_fn(f"step {done:>6}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+                   f"adjoint|xL| {metrics['adjoint_norm'][-1]:.3e}  {metrics['tokens_per_s']:.0f} tok/s")
+        if done % cfg.checkpoint_every == 0 or done == last_step:
+            path = ckpt.save(ckpt_dir, done, jax.device_get(state), metadata={"config": cfg.to_dict()}, keep=cfg.keep)
+            log_fn(f"checkpoint {path}")
+    return {"first_loss": first_loss, "final_loss": last_loss, "steps": last_step, "resumed_from": resumed_from,
+            "out": cfg.out}

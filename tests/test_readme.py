@@ -1,0 +1,30 @@
+"""Every ```python block of README.md runs and its assertions hold."""
+
+import os
+import re
+
+import pytest
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+def python_blocks():
+    text = open(README).read()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks())))
+def test_readme_example_runs(index, capsys):
+    code = python_blocks()[index]
+    if "import torch" in code or "interop" in code:
+        pytest.importorskip("torch")
+        pytest.importorskip("eae_runtime")
+    exec(compile(code, f"README.md[python block {index}]", "exec"), {"__name__": f"readme_{index}"})
+
+
+def test_readme_has_the_two_quick_start_commands():
+    text = open(README).read()
+    assert "eae-jax train" in text
+    assert 'pip install -e ".[torch,dev]" && python -m pytest -q' in text
+    ci = open(os.path.join(os.path.dirname(__file__), "..", ".ci", "run")).read()
+    assert 'pip install -q -e ".[torch,dev]"' in ci and "python -m pytest -q" in ci

@@ -1,0 +1,128 @@
+"""The training loop: learning, microbatching, checkpoints, resume, data parallelism."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eae_jax.models.llama import split_params
+from eae_jax.train import CheckpointError, TrainConfig, init_state, make_optimizer, make_train_step, train
+from eae_jax.train import checkpoint as ckpt
+from eae_jax.models.llama import lm_stack
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def test_tiny_run_learns_and_resumes_bit_exactly(tmp_path):
+    base = dict(preset="tiny", steps=40, log_every=10, checkpoint_every=20, warmup=5, lr=3e-3)
+    full = train(TrainConfig(out=str(tmp_path / "full"), **base), log_fn=quiet)
+    assert full["final_loss"] < 0.7 * full["first_loss"], full
+
+    # Interrupt at step 20 (the run stops there), then resume to 40.
+    part = str(tmp_path / "part")
+    train(TrainConfig(out=part, **base), log_fn=quiet, until=20)
+    resumed = train(TrainConfig(out=part, **base), log_fn=quiet)
+    assert resumed["resumed_from"].endswith("ckpt_00000020.npz")
+    a, _ = ckpt.restore(ckpt.latest(str(tmp_path / "full" / "checkpoints")), _template(base))
+    b, _ = ckpt.restore(ckpt.latest(os.path.join(part, "checkpoints")), _template(base))
+    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    lines = [json.loads(l) for l in open(os.path.join(part, "log.jsonl"))]
+    assert lines[-1]["step"] == 40 and len(lines[-1]["adjoint_norm"]) == 4 + 3
+
+
+def _template(base):
+    cfg = TrainConfig(**base)
+    model = cfg.model()
+    stack = lm_stack(model)
+    return init_state(cfg, model, stack, make_optimizer(cfg))
+
+
+def test_microbatching_matches_one_big_batch():
+    results = {}
+    for micro, accum in [(1, "fp32"), (4, "fp32"), (4, "bf16")]:
+        cfg = TrainConfig(preset="tiny", batch=8, microbatches=micro, grad_accum_dtype=accum, lr=1e-2, grad_clip=None)
+        model = cfg.model()
+        stack = lm_stack(model)
+        tx = make_optimizer(cfg)
+        state = init_state(cfg, model, stack, tx)
+        tokens = jax.random.randint(jax.random.key(5), (8, cfg.seq_len + 1), 0, model.vocab_size)
+        step = jax.jit(make_train_step(cfg, stack, tx, model))
+        new_state, metrics = step(state, tokens.reshape(micro, 8 // micro, -1))
+        results[(micro, accum)] = (metrics["grad_norm"], new_state.params)
+    g1, p1 = results[(1, "fp32")]
+    g4, p4 = results[(4, "fp32")]
+    gb, pb = results[(4, "bf16")]
+    np.testing.assert_allclose(float(g4), float(g1), rtol=1e-5)
+    for x, y in zip(jax.tree_util.tree_leaves(p4), jax.tree_util.tree_leaves(p1)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+    # bf16 accumulation: close to fp32, but not identical (it really rounds)
+    assert abs(float(gb) - float(g1)) / float(g1) < 2e-2
+    assert float(gb) != float(g1)
+
+
+def test_checkpoint_is_atomic_and_errors_name_the_problem(tmp_path):
+    tree = {"a": jnp.arange(6.0).reshape(2, 3), "b": {"c": jnp.ones((4,), jnp.int32)}, "k": jax.random.key(3)}
+    path = ckpt.save(str(tmp_path), 7, tree, metadata={"note": "x"})
+    assert os.path.basename(path) == "ckpt_00000007.npz"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".ckpt_tmp_")]
+    back, meta = ckpt.restore(path, tree)
+    assert meta["note"] == "x" and meta["step"] == 7
+    np.testing.assert_array_equal(np.asarray(back["a"]), np.asarray(tree["a"]))
+    assert jnp.array_equal(jax.random.key_data(back["k"]), jax.random.key_data(tree["k"]))
+
+    with pytest.raises(CheckpointError, match=r"missing \['b'\]\['d'\]"):
+        ckpt.restore(path, {"a": tree["a"], "b": {"c": tree["b"]["c"], "d": jnp.zeros(2)}, "k": tree["k"]})
+    with pytest.raises(CheckpointError, match=r"\['a'\]: shape \(2, 3\), expected \(3, 2\)"):
+        ckpt.restore(path, {"a": jnp.zeros((3, 2)), "b": tree["b"], "k": tree["k"]})
+    with pytest.raises(CheckpointError, match=r"unexpected \['k'\]"):
+        ckpt.restore(path, {"a": tree["a"], "b": tree["b"]})
+    truncated = tmp_path / "ckpt_00000008.npz"
+    truncated.write_bytes(open(path, "rb").read()[:100])
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        ckpt.restore(str(truncated), tree)
+
+    # keep=2 drops the oldest only after the new file is in place
+    for s in (8, 9, 10):
+        ckpt.save(str(tmp_path), s, tree, keep=2)
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path))] == ["ckpt_00000009.npz",
+                                                                                    "ckpt_00000010.npz"]
+
+
+def test_bad_config_errors():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        TrainConfig(preset="huge")
+    with pytest.raises(ValueError, match="must split into microbatches=3"):
+        TrainConfig(batch=16, microbatches=3)
+    with pytest.raises(ValueError, match="unknown dtype 'fp7'; valid names are fp32, fp16, bf16, fp8_e4m3, fp8_e5m2"):
+        TrainConfig(dtype="fp7")
+
+
+DP_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np, json, sys
+from eae_jax.train import TrainConfig, train
+res = {}
+for devices in (1, 8):
+    out = sys.argv[1] + f"/dp{devices}"
+    s = train(TrainConfig(preset="tiny", steps=6, batch=16, devices=devices, out=out, log_every=1,
+                          checkpoint_every=100), log_fn=lambda *a: None)
+    res[devices] = s["final_loss"]
+print(json.dumps({"n": jax.device_count(), **{str(k): v for k, v in res.items()}}))
+"""
+
+
+def test_data_parallel_over_8_cpu_devices_matches_one_device(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", DP_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["n"] == 8
+    np.testing.assert_allclose(res["8"], res["1"], rtol=1e-4)

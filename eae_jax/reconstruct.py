@@ -287,6 +287,16 @@ class Reconstructed:
             stored = offload_lib.to_device(stored)
         return stored.astype(spec.dtype)
 
+    def _prefetches(self, seg: _Segment, n: int) -> bool:
+        """Whether a scanned segment's backward loads boundaries one block ahead.
+
+        Only offloaded, boundary-only storage needs it: the host-to-device
+        copy of boundary i-1 is issued while block i recomputes and takes its
+        VJP, so nothing in that iteration waits on it and XLA can overlap the
+        transfer with compute (costing one extra boundary of device memory).
+        """
+        return bool(self.offload) and self.policy is None and seg.scanned and n >= 2
+
     def _block_forward(self, seg, p, h, side, layouts):
         """Run one block forward; return (output, residuals for its backward)."""
         if self.policy is None:
@@ -324,14 +334,7 @@ class Reconstructed:
         """VJP of one block at adjoint ``g``; returns (param grads, input adjoint or None)."""
         float_in = _is_float(spec)
         if self.policy is None:
-            h = self._load(res, spec)
-            if float_in:
-                _, vjp = jax.vjp(lambda pp, hh: self._call_block(seg, pp, hh, side), p, h)
-                gp, gh = vjp(g)
-            else:
-                _, vjp = jax.vjp(lambda pp: self._call_block(seg, pp, h, side), p)
-                (gp,), gh = vjp(g), None
-            return gp, gh
+            return self._vjp_at(seg, p, self._load(res, spec), g, float_in, side)
         treedef, layout = layouts[seg.name]
         p_leaves = jax.tree_util.tree_leaves(p)
         kept = iter(res)
@@ -340,6 +343,16 @@ class Reconstructed:
         if float_in:
             gp, gh = vjp(g)
         else:
+            (gp,), gh = vjp(g), None
+        return gp, gh
+
+    def _vjp_at(self, seg, p, h, g, float_in, side):
+        """Recompute one block from its (device-resident) input ``h`` and pull ``g`` back."""
+        if float_in:
+            _, vjp = jax.vjp(lambda pp, hh: self._call_block(seg, pp, hh, side), p, h)
+            gp, gh = vjp(g)
+        else:
+            _, vjp = jax.vjp(lambda pp: self._call_block(seg, pp, h, side), p)
             (gp,), gh = vjp(g), None
         return gp, gh
 
@@ -378,7 +391,11 @@ class Reconstructed:
                     return gh, (gp, st_i, nin, nout)
 
                 idx = off + jnp.arange(n, dtype=jnp.int32)
-                g_new, (gp, st, nin, nout) = jax.lax.scan(body, g, (p, res, seg_states[s], idx), reverse=True)
+                if self._prefetches(seg, n):
+                    g_new, (gp, st, nin, nout) = self._prefetch_scan(seg, p, res, g, seg_states[s], idx, spec, side,
+                                                                      step, num)
+                else:
+                    g_new, (gp, st, nin, nout) = jax.lax.scan(body, g, (p, res, seg_states[s], idx), reverse=True)
                 g = g_new if _is_float(spec) else None
             else:
                 gp, gh = self._block_backward(seg, p, res, g, spec, side, layouts)
@@ -395,6 +412,38 @@ class Reconstructed:
             stats = tree["stats"]
         new_tree = {"step": step, "state": {"segments": seg_states, "top": top}, "stats": stats}
         return grads, g, carry_lib.encode_like(new_tree, carry, calls=1.0)
+
+    def _prefetch_scan(self, seg, p, res, g, states, idx, spec, side, step, num):
+        """Reverse scan over an offloaded segment, loading boundary i-1 while block i runs.
+
+        ``res`` holds the segment's stored boundaries in pinned host memory
+        (leading axis over blocks). The loop carries the adjoint and the
+        device copy of the current block's input; each iteration starts the
+        host-to-device copy of the next input (clamped at block 0, where the
+        copy is redundant) before the block's recompute + VJP, which does not
+        depend on it. JAX's offload checkpoint policies do not cover a scan's
+        carried residuals (jax-ml/jax#23869), hence this explicit schedule.
+        """
+        n = idx.shape[0]
+        float_in = _is_float(spec)
+        ahead_idx = jnp.maximum(jnp.arange(n, dtype=jnp.int32) - 1, 0)
+
+        def fetch(i):
+            return offload_lib.to_device(jax.lax.dynamic_index_in_dim(res, i, axis=0, keepdims=False))
+
+        def body(carry, xs):
+            gg, cur = carry
+            p_i, st_i, b, nxt = xs
+            ahead = fetch(nxt)
+            gp, gh = self._vjp_at(seg, p_i, cur.astype(spec.dtype), gg, float_in, side)
+            gh, st_i, nin, nout = self._boundary(gh, st_i, b, step, num)
+            if gh is None:  # non-float input: nothing flows on, keep the carry's type
+                gh = gg
+            return (gh, ahead), (gp, st_i, nin, nout)
+
+        first = offload_lib.to_device(jax.lax.index_in_dim(res, n - 1, axis=0, keepdims=False))
+        (g_new, _), out = jax.lax.scan(body, (g, first), (p, states, idx, ahead_idx), reverse=True)
+        return g_new, out
 
     # ------------------------------------------------------------------ call
     def __call__(self, params, x, carry: Optional[carry_lib.AdjointCarry] = None, side=None):
@@ -466,7 +515,10 @@ def reconstruct(
       boundary_dtype: store the boundaries in this dtype (e.g. bf16 for an
         fp32 model); the forward is unaffected, the backward recomputes each
         block from the rounded boundary.
-      offload: keep the stored boundaries in pinned host memory.
+      offload: keep the stored boundaries in pinned host memory (boundary-only
+        storage, ``policy=None``; a policy's kept internals stay on device).
+        The backward of a scanned run copies boundary i-1 back while block i
+        runs, so about two boundaries are on device at a time.
       policy: None/``'boundaries'`` (keep only boundaries), ``'dots'``,
         ``'dots_all'``, ``'everything'``, or a `jax.checkpoint_policies`
         callable: which block internals the forward also keeps so the
@@ -495,7 +547,9 @@ def reconstruct(
             raise TypeError(f"block {i} is {item!r}; expected a function or eae_jax.Scan")
     if passes is None:
         chain_ = identity()
-    elif isinstance(passes, (list, tuple)):
+    elif isinstance(passes, list) or (isinstance(passes, tuple) and not hasattr(passes, "_fields")):
+        # A pass (and an optax transform) is itself a NamedTuple: only plain
+        # lists/tuples are sequences of passes.
         from eae_jax.passes.base import chain
 
         chain_ = chain(*passes)

@@ -1,0 +1,96 @@
+"""Reduced-precision round trips of the adjoint: `cast_roundtrip`, `int8_fake_quant`."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from eae_jax.dtypes import dtype_name, parse_compute_dtype
+from eae_jax.passes._util import divide_exact, require_float_spec, round_trip
+from eae_jax.passes.base import AdjointTransformation, EmptyState
+
+
+def cast_roundtrip(dtype: Any) -> AdjointTransformation:
+    """Cast the adjoint to ``dtype`` and back (round to nearest even).
+
+    The seed's ``FP16Pass`` generalised: ``'fp16'`` reproduces it exactly,
+    ``'bf16'`` does the same through bfloat16. Values beyond the narrow
+    format's range become ``inf`` (fp16) as a real cast would. fp8 names are
+    accepted too, but a raw fp8 cast has no scale (most adjoints underflow,
+    e4m3 overflows to NaN); use `fp8_quant` for fp8. The rounding is kept
+    even when XLA would fold a down-then-up cast pair (see
+    ``eae_jax.passes._util.round_trip``).
+
+    Args:
+      dtype: a name accepted by `eae_jax.dtypes.parse_compute_dtype`
+        (``fp16``, ``bf16``, ...) or a floating dtype.
+
+    Returns:
+      A stateless `AdjointTransformation`; the adjoint keeps its dtype.
+
+    Raises:
+      ValueError: unknown or non-floating dtype.
+    """
+    target = parse_compute_dtype(dtype)
+    name = f"cast_roundtrip({dtype_name(target)})"
+
+    def init(spec, key):
+        del key
+        require_float_spec(name, spec)
+        return EmptyState()
+
+    def update(adjoint, state, ctx):
+        del ctx
+        return round_trip(adjoint, target, adjoint.dtype), state
+
+    return AdjointTransformation(init, update, name)
+
+
+class Int8State(NamedTuple):
+    """State of `int8_fake_quant` at one boundary.
+
+    Attributes:
+      scale: float32 scalar, ``max|g| / 127`` of the last adjoint (0 for an
+        all-zero adjoint, which is left untouched).
+    """
+
+    scale: jax.Array
+
+
+def int8_fake_quant() -> AdjointTransformation:
+    """Per-tensor symmetric int8 fake quantization of the adjoint.
+
+    In float32: ``scale = max|g| / 127``, ``q = clip(round(g / scale), -127,
+    127)`` (round half to even), result ``(q * scale)`` cast back to the
+    adjoint's dtype. An all-zero adjoint is returned unchanged. This is the
+    seed's ``Int8QuantizationPass``; the scale it used is kept in the state
+    (the seed's ``metadata['quantization_scale']``). Both divisions are
+    IEEE divisions like torch's, so the result equals the seed's bit for bit
+    (XLA would otherwise multiply by a reciprocal and move rounding ties;
+    this costs one adjoint-sized float32 temporary).
+
+    Returns:
+      An `AdjointTransformation` with `Int8State`.
+    """
+    name = "int8_fake_quant"
+
+    def init(spec, key):
+        del key
+        require_float_spec(name, spec)
+        return Int8State(jnp.zeros((), jnp.float32))
+
+    def update(adjoint, state, ctx):
+        del state, ctx
+        t = adjoint.astype(jnp.float32)
+        max_abs = jnp.max(jnp.abs(t))
+        scale = divide_exact(max_abs, 127.0)  # IEEE division, as torch does (see divide_exact)
+        is_zero = max_abs == 0
+        # A zero tensor would divide 0/0; it is returned as is, so divide by 1.
+        safe = jnp.where(is_zero, jnp.ones_like(scale), scale)
+        q = jnp.clip(jnp.round(divide_exact(t, safe)), -127.0, 127.0)
+        out = (q * safe).astype(adjoint.dtype)
+        return jnp.where(is_zero, adjoint, out), Int8State(scale)
+
+    return AdjointTransformation(init, update, name)

@@ -1,0 +1,101 @@
+"""Regularising passes: `decay` (shrink the adjoint) and `gaussian_noise`."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from eae_jax.passes._util import require_float_spec, require_number
+from eae_jax.passes.base import AdjointTransformation, EmptyState
+
+
+def decay(strength: float) -> AdjointTransformation:
+    """Shrink the adjoint: ``g * (1 - strength)``.
+
+    The seed's ``RegularizationPass``: a decay proportional to the adjoint
+    itself (a stand-in for gradient-space regularisation, not weight decay).
+    The factor is a Python float cast to the adjoint's dtype, as torch does
+    for a scalar multiply. ``strength == 0`` leaves the adjoint untouched.
+
+    Args:
+      strength: Python float; any real value (``> 1`` flips the sign).
+
+    Returns:
+      A stateless `AdjointTransformation`.
+
+    Raises:
+      TypeError / ValueError: ``strength`` is not a finite number.
+    """
+    strength = require_number("decay", "strength", strength)
+    if strength in (float("inf"), float("-inf")):
+        raise ValueError(f"decay: strength must be finite, got {strength}")
+    name = f"decay({strength:g})"
+    factor = 1.0 - strength
+
+    def init(spec, key):
+        del key
+        require_float_spec(name, spec)
+        return EmptyState()
+
+    def update(adjoint, state, ctx):
+        del ctx
+        if strength == 0.0:
+            return adjoint, state
+        return adjoint * jnp.asarray(factor, adjoint.dtype), state
+
+    return AdjointTransformation(init, update, name)
+
+
+class NoiseState(NamedTuple):
+    """State of `gaussian_noise` at one boundary.
+
+    Attributes:
+      key: typed PRNG key, split on every call (the noise of a call is drawn
+        from the second half of the split, the first becomes the new key).
+    """
+
+    key: jax.Array
+
+
+def gaussian_noise(std: float) -> AdjointTransformation:
+    """Add zero-mean Gaussian noise: ``g + std * N(0, 1)``.
+
+    The seed's ``GaussianNoisePass``. The noise is drawn in the adjoint's
+    dtype from the key in the state, which is split on every call, so a run
+    is reproducible from the key given to ``Reconstructed.init`` (each
+    boundary gets its own key from that one). ``std == 0`` leaves the
+    adjoint and the key untouched.
+
+    Args:
+      std: Python float >= 0.
+
+    Returns:
+      An `AdjointTransformation` with `NoiseState`.
+
+    Raises:
+      TypeError / ValueError: ``std`` negative or not a number.
+    """
+    std = require_number("gaussian_noise", "std", std, low=0.0)
+    name = f"gaussian_noise({std:g})"
+
+    def init(spec, key):
+        require_float_spec(name, spec)
+        if key is None:
+            raise TypeError(f"{name}: init needs a PRNG key (jax.random.key)")
+        dtype = getattr(key, "dtype", None)
+        if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            # Accept raw uint32 keys (jax.random.PRNGKey) too; store a typed key.
+            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+        return NoiseState(key)
+
+    def update(adjoint, state, ctx):
+        del ctx
+        if std == 0.0:
+            return adjoint, state
+        key, sub = jax.random.split(state.key)
+        noise = jax.random.normal(sub, adjoint.shape, adjoint.dtype)
+        return adjoint + jnp.asarray(std, adjoint.dtype) * noise, NoiseState(key)
+
+    return AdjointTransformation(init, update, name)

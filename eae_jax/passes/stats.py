@@ -1,0 +1,85 @@
+"""`statistics`: summary statistics of the adjoint, returned through the pass state."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from eae_jax.passes._util import require_float_spec
+from eae_jax.passes.base import AdjointTransformation
+
+_INT32_MAX = 2**31 - 1
+
+
+class StatsState(NamedTuple):
+    """Statistics of the last adjoint seen at one boundary (float32 unless noted).
+
+    Attributes:
+      mean, std, min, max, norm: float32 scalars; ``std`` is the population
+        standard deviation (``ddof=0``, the seed's ``unbiased=False``), 0 for a
+        single element; ``norm`` the Euclidean norm.
+      numel: int32 scalar, number of entries.
+      has_nan, has_inf: bool scalars.
+    """
+
+    mean: jax.Array
+    std: jax.Array
+    min: jax.Array
+    max: jax.Array
+    norm: jax.Array
+    numel: jax.Array
+    has_nan: jax.Array
+    has_inf: jax.Array
+
+
+def statistics() -> AdjointTransformation:
+    """Observe the adjoint without changing it.
+
+    The seed's ``LoggingPass``: computes ``mean, std, min, max, norm, numel,
+    has_nan, has_inf`` of the adjoint (in float32) and keeps them in the
+    state, so after a jitted step ``stack.state(carry)`` holds them for every
+    boundary (scanned segments: one entry per boundary along the leading
+    axis). `eae_jax.events.emit_step_events` turns them into events.
+
+    Returns:
+      An `AdjointTransformation` with `StatsState`.
+
+    Raises:
+      ValueError (at init): the adjoint has more than 2**31-1 entries.
+    """
+    name = "statistics"
+
+    def init(spec, key):
+        del key
+        require_float_spec(name, spec)
+        numel = math.prod(spec.shape)
+        if numel > _INT32_MAX:
+            raise ValueError(f"statistics: adjoint of shape {tuple(spec.shape)} has more than 2**31-1 entries")
+        if numel == 0:
+            raise ValueError(f"statistics: adjoint of shape {tuple(spec.shape)} is empty")
+        zero = jnp.zeros((), jnp.float32)
+        false = jnp.zeros((), jnp.bool_)
+        return StatsState(zero, zero, zero, zero, zero, jnp.zeros((), jnp.int32), false, false)
+
+    def update(adjoint, state, ctx):
+        del state, ctx
+        t = adjoint.astype(jnp.float32)
+        mean = jnp.mean(t)
+        # Two-pass population variance: stabler than E[x^2] - E[x]^2.
+        std = jnp.sqrt(jnp.mean(jnp.square(t - mean)))
+        new = StatsState(
+            mean=mean,
+            std=std,
+            min=jnp.min(t),
+            max=jnp.max(t),
+            norm=jnp.sqrt(jnp.sum(t * t)),
+            numel=jnp.asarray(t.size, jnp.int32),
+            has_nan=jnp.any(jnp.isnan(t)),
+            has_inf=jnp.any(jnp.isinf(t)),
+        )
+        return adjoint, new
+
+    return AdjointTransformation(init, update, name)

@@ -1,0 +1,409 @@
+"""Decoder blocks with fp8 seams, calibrated and gated layer by layer.
+
+`bind_block` takes a (stacked) block's params and a few inputs of the
+stack, runs the high-precision stack over them to see what every seam of
+every layer really receives, calibrates the static scales per layer, and
+gates each seam at the block boundary: the block's output with that one
+seam in fp8 against the block's output in high precision (the residual is
+inside the block, so this is the "incl. residual" boundary). The result is
+a `BoundBlock`.
+
+`BoundBlock.block_fn()` is a pure ``block(p, x)`` with
+``p = {'params': <block params>, 'fp8': <seam states>}`` for one layer; a
+stack scans it over ``{'params': stacked, 'fp8': bound.state}`` (states
+carry the same leading depth axis). It plugs into `eae_jax.reconstruct`
+unchanged::
+
+    bound = bind_block(cfg, params, [x_calib])
+    stack = eae_jax.reconstruct(bound.block_fn())
+    p = bound.params(params)                      # {'params': ..., 'fp8': ...}
+
+    def loss_fn(p, x):
+        return jnp.mean(stack(p, x).astype(jnp.float32) ** 2)
+
+    loss, g = jax.value_and_grad(loss_fn)(p, x)
+    state = bound.fold(p['fp8'], g['fp8'])        # ledger counts, detaching
+    params = params - lr * g['params'] ...
+
+The block is `eae_jax.blocks.decoder_block` with its ``ffn_fn`` and
+``attention_fn`` overrides: the attention override is the same computation
+as `eae_jax.blocks.causal_attention` with the projections routed through
+the ``qkv`` and ``o`` seams (a test checks that the high-precision path
+equals the plain block bit for bit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eae_jax.blocks.linear import linear
+from eae_jax.blocks.attention import causal_attention
+from eae_jax.blocks.transformer import BlockConfig, check_block_params, decoder_block
+from eae_jax.fp8 import ledger as ledger_lib
+from eae_jax.fp8 import seams as seams_lib
+from eae_jax.fp8.quant import E4M3, scale_from_amax
+from eae_jax.fp8.seams import GateRefused, Seam, SeamConfig, SeamState
+
+SEAM_NAMES = ("qkv", "o", "ffn")
+
+
+def block_seams(which: Sequence[str] = SEAM_NAMES, config: Optional[SeamConfig] = None,
+                **config_fields) -> Dict[str, Seam]:
+    """The seams of a decoder block: any of ``'qkv'``, ``'o'``, ``'ffn'``.
+
+    Raises:
+      ValueError: an unknown seam name.
+    """
+    unknown = [w for w in which if w not in SEAM_NAMES]
+    if unknown:
+        raise ValueError(f"unknown block seam(s) {unknown}; expected a subset of {SEAM_NAMES}")
+    makers = {"qkv": seams_lib.qkv_seam, "o": seams_lib.out_proj_seam, "ffn": seams_lib.ffn_seam}
+    return {w: makers[w](w, config, **config_fields) for w in SEAM_NAMES if w in which}
+
+
+def policy_seams(policy: Any, which: Sequence[str] = SEAM_NAMES, **config_fields) -> Dict[str, Seam]:
+    """The block seams a `eae_jax.DTypePolicy` asks for.
+
+    A policy without ``fp8_format`` (fp32/bf16/fp16) asks for none (an empty
+    dict: every region stays in the compute dtype). ``fp8_e4m3`` gives
+    `block_seams` (e4m3 forward, e5m2 gradients).
+
+    Raises:
+      ValueError: ``fp8_format`` is e5m2: the forward GEMMs need e4m3
+        operands (cuBLASLt has no e5m2 x e5m2 GEMM; e5m2 is the gradient
+        format, used by every seam's backward).
+    """
+    fmt = getattr(policy, "fp8_format", None)
+    if fmt is None:
+        return {}
+    if jnp.dtype(fmt) != E4M3:
+        raise ValueError(f"fp8 seams compute their forward in float8_e4m3fn, got a policy with fp8_format={fmt}; "
+                         "use DTypePolicy.from_name('fp8_e4m3') (gradients run in e5m2 either way)")
+    return block_seams(which, **config_fields)
+
+
+def _cast(cfg: BlockConfig, params, x):
+    """The plain block's compute-dtype cast (params and input)."""
+    if cfg.compute_dtype is None:
+        return params, x
+    params = jax.tree_util.tree_map(
+        lambda p: p.astype(cfg.compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+    return params, x.astype(cfg.compute_dtype)
+
+
+def _hp(name: str, sub: dict, h: jax.Array):
+    """High-precision result of a block region, split like the seam's output."""
+    if name == "ffn":
+        from eae_jax.blocks.swiglu import swiglu
+
+        return swiglu(sub, h)
+    if name == "qkv":
+        return linear(h, sub["wq"]), linear(h, sub["wk"]), linear(h, sub["wv"])
+    return linear(h, sub["wo"])
+
+
+def _inner_block(cfg: BlockConfig, runner: Callable) -> Callable:
+    """`decoder_block` (without its cast) whose FFN and projections call ``runner(name, params, h)``."""
+    cfg_nocast = dataclasses.replace(cfg, compute_dtype=None)
+
+    def ffn_fn(p, h):
+        return runner("ffn", p, h)
+
+    def attention_fn(p, h, **kwargs):
+        # eae_jax.blocks.causal_attention with the projections routed through the seams.
+        return causal_attention(p, h, project_qkv=lambda pp, x: runner("qkv", pp, x),
+                                project_out=lambda pp, o: runner("o", pp, o), **kwargs)
+
+    return decoder_block(cfg_nocast, ffn_fn=ffn_fn, attention_fn=attention_fn)
+
+
+def _check_p(p, seams):
+    if not isinstance(p, dict) or set(p) != {"params", "fp8"}:
+        raise ValueError("an fp8 block takes p = {'params': <block params>, 'fp8': <seam states>}, got "
+                         f"{type(p).__name__} with keys {sorted(p) if isinstance(p, dict) else None}")
+    missing = [n for n in seams if n not in p["fp8"]]
+    if missing:
+        raise ValueError(f"fp8 block: no state for seam(s) {missing} (have {sorted(p['fp8'])})")
+
+
+def fp8_block(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None) -> Callable:
+    """The pure block ``block(p, x)`` with fp8 seams, counted through the VJP.
+
+    Args:
+      cfg: the block configuration (its ``compute_dtype`` casts params and
+        input as in `decoder_block`; seam states are never cast).
+      seams: from `block_seams` (regions not listed run in high precision).
+      monitor: `LedgerMonitor` for trace-time warnings.
+
+    Returns:
+      ``block(p, x) -> (batch, seq, dim)`` with ``p = {'params', 'fp8'}``.
+    """
+
+    def block(p, x):
+        _check_p(p, seams)
+        params, x = _cast(cfg, p["params"], x)
+        states = p["fp8"]
+
+        def runner(name, sub, h):
+            if name in seams:
+                return seams_lib.apply(seams[name], states[name], sub, h, monitor)
+            return _hp(name, sub, h)
+
+        return _inner_block(cfg, runner)(params, x)
+
+    block.__name__ = f"fp8_block_{'_'.join(seams) or 'none'}"
+    return block
+
+
+def fp8_block_with_ledger(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None) -> Callable:
+    """Like `fp8_block` but ``block(p, x) -> (y, increments)`` (a dict of
+    `Ledger` increments per seam) for inference without a VJP."""
+
+    def block(p, x):
+        _check_p(p, seams)
+        params, x = _cast(cfg, p["params"], x)
+        states = p["fp8"]
+        incs = {}
+
+        def runner(name, sub, h):
+            if name in seams:
+                y, incs[name] = seams_lib.apply_with_ledger(seams[name], states[name], sub, h, monitor)
+                return y
+            return _hp(name, sub, h)
+
+        y = _inner_block(cfg, runner)(params, x)
+        return y, dict(incs)
+
+    return block
+
+
+def _raw_runner(seams, scales, fp8_names=()):
+    """Runner for calibration: fp8 (unguarded) for ``fp8_names``, else high precision."""
+
+    def runner(name, sub, h):
+        if name in fp8_names:
+            return seams_lib.split_output(seams[name], sub, seams_lib.fp8_forward(seams[name], sub, h, scales[name]))
+        return _hp(name, sub, h)
+
+    return runner
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundBlock:
+    """A decoder block with bound fp8 seams.
+
+    Attributes:
+      cfg: the block configuration.
+      seams: name -> `Seam`.
+      state: name -> `SeamState` with a leading depth axis (one per layer).
+      certification: name -> dict (dims, per-layer scales, worst boundary
+        and bare cosines per layer, samples, percentile, gate).
+      monitor: host-side `LedgerMonitor`.
+    """
+
+    cfg: BlockConfig
+    seams: Dict[str, Seam]
+    state: Dict[str, SeamState]
+    certification: Dict[str, dict]
+    monitor: ledger_lib.LedgerMonitor = dataclasses.field(default_factory=ledger_lib.LedgerMonitor, compare=False)
+
+    def block_fn(self) -> Callable:
+        """`fp8_block` for these seams (counts through the VJP)."""
+        return fp8_block(self.cfg, self.seams, self.monitor)
+
+    def block_fn_with_ledger(self) -> Callable:
+        """`fp8_block_with_ledger` for these seams."""
+        return fp8_block_with_ledger(self.cfg, self.seams, self.monitor)
+
+    def params(self, block_params: Any, state: Optional[Dict[str, SeamState]] = None) -> dict:
+        """``{'params': block_params, 'fp8': state (default: the bound one)}``."""
+        return {"params": block_params, "fp8": self.state if state is None else state}
+
+    def fold(self, state: Dict[str, SeamState], grads: Dict[str, Any], notify: bool = True) -> Dict[str, SeamState]:
+        """New seam states after one step.
+
+        Args:
+          state: the states used in the step.
+          grads: their cotangent (``grads['fp8']`` of a step differentiated
+            with respect to ``p``) or summed forward increments (a dict of
+            `Ledger` per seam).
+          notify: one host callback: warnings once per seam and reason, and
+            once when a seam detaches.
+        """
+        new = {n: seams_lib.fold_state(self.seams[n], state[n], grads[n]) for n in self.seams}
+        if notify:
+            self.monitor.notify({n: s.ledger for n, s in new.items()})
+        return new
+
+    def report(self, state: Dict[str, SeamState]) -> List[Dict[str, Any]]:
+        """Per seam and layer (``ffn[3]`` = layer 3's FFN): calls, fp8 calls,
+        fallbacks by reason, last reason, consecutive, detached."""
+        out = []
+        for n in self.seams:
+            out.extend(ledger_lib.report(state[n].ledger, n))
+        return out
+
+
+def _depth_of(cfg: BlockConfig, params) -> Optional[int]:
+    scale = params["attn_norm"]["scale"]
+    if scale.ndim == 1:
+        check_block_params(params, cfg)
+        return None
+    depth = int(scale.shape[0])
+    check_block_params(params, cfg, leading=(depth,), where="stacked block")
+    return depth
+
+
+def bind_block(
+    cfg: BlockConfig,
+    params: Any,
+    calibration_inputs: Sequence[jax.Array],
+    seams: Optional[Dict[str, Seam]] = None,
+    *,
+    percentile: float = 99.9,
+    gate_cos: Optional[float] = None,
+    scales: Optional[Dict[str, Any]] = None,
+) -> BoundBlock:
+    """Calibrate and gate fp8 seams for every layer of a (stacked) block.
+
+    Args:
+      cfg: the block configuration.
+      params: one block's params or a stack (leading depth axis).
+      calibration_inputs: inputs of the first block, ``(batch, seq, dim)``
+        each (one array or a list). Layer i is calibrated on what the
+        high-precision stack feeds it.
+      seams: from `block_seams` (default: qkv, o and ffn with default config).
+      percentile: per-sample amax reduced across samples at this percentile.
+      gate_cos: threshold (default each seam's ``config.gate_cos``; 0 off).
+      scales: override per seam name, ``(depth, points)`` (or ``(points,)``).
+
+    Returns:
+      A `BoundBlock` whose ``state`` has a leading depth axis (depth 1 for
+      unstacked params; use ``jax.tree_util.tree_map(lambda a: a[0], ...)``
+      for a single block).
+
+    Raises:
+      ValueError: bad params/inputs.
+      GateRefused: a seam misses the gate at some layer (all failures listed).
+    """
+    seams = block_seams() if seams is None else dict(seams)
+    depth = _depth_of(cfg, params)
+    stacked = params if depth is not None else jax.tree_util.tree_map(lambda a: a[None], params)
+    depth = depth or 1
+    samples = seams_lib._as_list(calibration_inputs)
+    if not samples:
+        raise ValueError("bind_block needs at least one calibration input")
+    for i, s in enumerate(samples):
+        if s.ndim != 3 or s.shape[-1] != cfg.dim:
+            raise ValueError(f"calibration input {i} has shape {s.shape}; expected (batch, seq, {cfg.dim})")
+    if cfg.compute_dtype is not None:
+        # The stack's boundaries are in the compute dtype; so is what layer i sees.
+        samples = [s.astype(cfg.compute_dtype) for s in samples]
+    names = list(seams)
+
+    def hp_block(p, x, runner):
+        p, x = _cast(cfg, p, x)
+        return _inner_block(cfg, runner)(p, x)
+
+    @jax.jit
+    def pass_amax(stacked, x):
+        def body(h, p):
+            amax = {}
+
+            def runner(name, sub, hh):
+                if name in seams:
+                    amax[name] = seams_lib.amax_points(seams[name], sub, hh)
+                return _hp(name, sub, hh)
+
+            y = hp_block(p, h, runner)
+            return y, dict(amax)
+
+        return jax.lax.scan(body, x, stacked)[1]
+
+    per_sample = [jax.tree_util.tree_map(np.asarray, pass_amax(stacked, s)) for s in samples]
+    reduced = {n: seams_lib.reduce_amax(np.stack([a[n] for a in per_sample]), percentile) for n in names}
+    calibrated = {n: np.asarray(scale_from_amax(jnp.asarray(reduced[n]), E4M3, seams[n].config.margin))
+                  for n in names}
+    used = dict(calibrated)
+    for n, s in (scales or {}).items():
+        if n not in seams:
+            raise ValueError(f"scales given for unknown seam {n!r}; seams are {names}")
+        s = np.broadcast_to(np.asarray(s, np.float32), (depth, seams[n].points))
+        used[n] = np.array(s)
+
+    @jax.jit
+    def pass_gate(stacked, x, used):
+        def body(h, xs):
+            p, sc = xs
+            bare = {}
+
+            def tap_runner(name, sub, hh):
+                if name in seams:
+                    y8 = seams_lib.fp8_forward(seams[name], sub, hh, sc[name])
+                    bare[name] = seams_lib.cosine(y8, seams_lib.high_precision(seams[name], sub, hh))
+                return _hp(name, sub, hh)
+
+            y_hp = hp_block(p, h, tap_runner)
+            boundary = {n: seams_lib.cosine(hp_block(p, h, _raw_runner(seams, sc, (n,))), y_hp) for n in names}
+            all_fp8 = seams_lib.cosine(hp_block(p, h, _raw_runner(seams, sc, tuple(names))), y_hp)
+            return y_hp, (boundary, dict(bare), all_fp8)
+
+        return jax.lax.scan(body, x, (stacked, used))[1]
+
+    used_j = {n: jnp.asarray(v) for n, v in used.items()}
+    gates = [jax.tree_util.tree_map(np.asarray, pass_gate(stacked, s, used_j)) for s in samples]
+    boundary = {n: np.stack([g[0][n] for g in gates]).min(axis=0) for n in names}
+    bare = {n: np.stack([g[1][n] for g in gates]).min(axis=0) for n in names}
+    all_fp8 = np.stack([g[2] for g in gates]).min(axis=0)
+
+    failures = []
+    for n in names:
+        thr = seams[n].config.gate_cos if gate_cos is None else float(gate_cos)
+        for layer in range(depth):
+            c = float(boundary[n][layer])
+            if thr and not c >= thr:
+                failures.append((n, layer, c, thr))
+    if failures:
+        worst = min(f[2] for f in failures)
+        listing = ", ".join(f"{n} at layer {l}: {c:.6f} < {t}" for n, l, c, t in failures)
+        raise GateRefused(
+            f"eae_jax.fp8: block seams refused at the block boundary (incl. residual) on {len(samples)} "
+            f"calibration sample(s): {listing}", worst)
+
+    cert, state = {}, {}
+    for n in names:
+        seam = seams[n]
+        dims = seams_lib.seam_dims(seam, jax.tree_util.tree_map(lambda a: a[0], stacked)[
+            "ffn" if n == "ffn" else "attn"])
+        cert[n] = {
+            "seam": n, "kind": seam.kind, "dims": dims, "depth": depth,
+            "scales": used[n].tolist(), "calibrated_scales": calibrated[n].tolist(), "amax": reduced[n].tolist(),
+            "percentile": float(percentile), "samples": len(samples),
+            "rows": [int(np.prod(s.shape[:-1])) for s in samples],
+            "worst_cos": float(boundary[n].min()), "worst_cos_per_layer": boundary[n].tolist(),
+            "bare_cos_per_layer": bare[n].tolist(), "all_fp8_block_cos_per_layer": all_fp8.tolist(),
+            "gate_cos": seam.config.gate_cos if gate_cos is None else float(gate_cos),
+            "gate_boundary": "block boundary (incl. residual)", "act_scaling": seam.config.act_scaling,
+        }
+        ledger = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (depth,) + a.shape),
+                                        ledger_lib.init_ledger(seam.points))
+        state[n] = SeamState(jnp.asarray(used[n], jnp.float32), ledger)
+    return BoundBlock(cfg, seams, state, cert)
+
+
+def init_block_state(seams: Dict[str, Seam], depth: int, scales: Optional[Dict[str, Any]] = None) -> Dict[str, SeamState]:
+    """Seam states for ``depth`` layers without calibration (scales default 1;
+    for tests and for restoring saved scales)."""
+    out = {}
+    for n, seam in seams.items():
+        s = np.ones((depth, seam.points), np.float32) if not scales or n not in scales else \
+            np.broadcast_to(np.asarray(scales[n], np.float32), (depth, seam.points))
+        ledger = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (depth,) + a.shape),
+                                        ledger_lib.init_ledger(seam.points))
+        out[n] = SeamState(jnp.asarray(s), ledger)
+    return out

@@ -1,0 +1,282 @@
+"""fp8 arithmetic: scales, quantization and the fp8 GEMM with an fp8 backward.
+
+Everything a seam multiplies goes through `fp8_linear`:
+
+* forward: ``x`` (e4m3, one scale per tensor or per row) times ``w`` (e4m3,
+  one scale per output channel), both contracting on their last axis, with
+  `jax.lax.dot_general` run directly on the ``float8_e4m3fn`` operands and a
+  bf16/f16/f32 ``preferred_element_type``. The two scales are multiplied into
+  the result afterwards. Both scale kinds factor out of the contraction
+  (``sum_k x[m,k] w[n,k] = sx[m] sw[n] sum_k xq[m,k] wq[n,k]``), so they cost
+  one elementwise multiply that XLA fuses into the consumer, not a second
+  GEMM.
+* backward: the output gradient is quantized to ``float8_e5m2`` with a
+  per-tensor scale computed from its current amax ("current scaling") and
+  multiplied with the saved e4m3 operands: ``dx = g @ w`` and
+  ``dw = g^T @ x``, again as fp8 GEMMs. A row/column scale that does not
+  factor out of a backward contraction is folded into the gradient before
+  it is quantized (e5m2 has 30 binades of range, so that is free).
+
+Why operands are never dequantized before the dot: XLA folds
+``quantize -> dequantize to bf16 -> dot`` back into a bf16 GEMM (the rounding
+is kept, the speed is not). Only a dot whose operands *are* fp8 becomes
+cuBLASLt's fp8 GEMM (``__cublas$lt$matmul$f8`` in the compiled HLO).
+
+Weights are ``(out, in)`` = ``(N, K)``, torch's layout, which is the
+contracting-last layout the fp8 GEMM wants; stored as ``(K, N)`` XLA would
+transpose the weight on every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E5M2 = jnp.dtype(jnp.float8_e5m2)
+FP8_FORMATS = (E4M3, E5M2)
+
+#: Output dtypes the fp8 GEMM can write (cuBLASLt's fp8 kernels accept these).
+GEMM_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def fp8_max(dtype: Any) -> float:
+    """Largest finite magnitude of an fp8 format (448 for e4m3fn, 57344 for e5m2).
+
+    Raises:
+      ValueError: ``dtype`` is not one of the two fp8 formats.
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype not in FP8_FORMATS:
+        raise ValueError(f"{dtype} is not an fp8 format; expected float8_e4m3fn or float8_e5m2")
+    return float(jnp.finfo(dtype).max)
+
+
+def scale_from_amax(amax: jax.Array, dtype: Any = E4M3, margin: float = 0.0) -> jax.Array:
+    """Per-tensor (or per-row/channel) scale ``amax * 2**margin / fp8_max``.
+
+    ``x / scale`` then spans the fp8 range with ``margin`` binades of
+    headroom. A zero or non-finite amax gives scale 1 (nothing to quantize,
+    or nothing trustworthy to derive a scale from).
+
+    Args:
+      amax: float array of absolute maxima (any shape).
+      dtype: the fp8 format the scaled values are cast to.
+      margin: headroom in powers of two (0: amax maps exactly to fp8_max).
+
+    Returns:
+      float32 array of ``amax``'s shape.
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    scale = amax * (2.0 ** margin) / fp8_max(dtype)
+    good = jnp.isfinite(amax) & (amax > 0)
+    return jnp.where(good, scale, jnp.ones_like(scale))
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype: Any = E4M3) -> jax.Array:
+    """``clip(x / scale, -max, max)`` cast to an fp8 format (round to nearest even).
+
+    The division runs in float32 whatever ``x``'s dtype. Values beyond the
+    fp8 range saturate to +-max (a plain cast would turn them into NaN for
+    e4m3fn); NaN stays NaN.
+
+    Args:
+      x: float array.
+      scale: float32, broadcastable to ``x`` (scalar, ``(rows, 1)`` or ``(N,)``).
+      dtype: ``float8_e4m3fn`` or ``float8_e5m2``.
+
+    Returns:
+      ``x``-shaped array of ``dtype``.
+    """
+    fmax = fp8_max(dtype)
+    scaled = x.astype(jnp.float32) * (1.0 / jnp.asarray(scale, jnp.float32))
+    return jnp.clip(scaled, -fmax, fmax).astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+    """``q * scale`` in ``dtype`` (for references and tests; seams never do this
+    before a dot)."""
+    return (q.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)).astype(dtype)
+
+
+def row_amax(x: jax.Array) -> jax.Array:
+    """Absolute maximum over the last axis, float32, keeping it: ``(..., 1)``."""
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+
+
+def fp8_matmul(a: jax.Array, b: jax.Array, out_dtype: Any) -> jax.Array:
+    """``a @ b.T`` on fp8 operands: ``a`` ``(M, K)``, ``b`` ``(N, K)`` -> ``(M, N)``.
+
+    One `jax.lax.dot_general` contracting the last axis of both operands,
+    with the accumulator written in ``out_dtype``. This exact form is what
+    XLA rewrites into cuBLASLt's fp8 GEMM on Hopper/Ada (e4m3 x e4m3 and
+    e5m2 x e4m3 are both accepted); on CPU XLA emulates it in float32.
+
+    Raises:
+      ValueError: operands not fp8, not 2-D, or contracting widths differ.
+    """
+    if a.dtype not in FP8_FORMATS or b.dtype not in FP8_FORMATS:
+        raise ValueError(f"fp8_matmul needs fp8 operands, got {a.dtype} and {b.dtype}")
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_matmul expects (M, K) and (N, K), got {a.shape} and {b.shape}")
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.dtype(out_dtype))
+
+
+def gemm_out_dtype(dtype: Any) -> jnp.dtype:
+    """The GEMM output dtype for an activation dtype (bf16/f16/f32 kept, else f32)."""
+    dtype = jnp.dtype(dtype)
+    return dtype if dtype in GEMM_OUT_DTYPES else jnp.dtype(jnp.float32)
+
+
+class Fp8Weight(NamedTuple):
+    """A weight quantized once ("frozen"), for inference.
+
+    Attributes:
+      q: ``(N, K)`` float8_e4m3fn.
+      scale: ``(N,)`` float32 per-output-channel scale: ``w ~= q * scale[:, None]``.
+    """
+
+    q: jax.Array
+    scale: jax.Array
+
+
+def quantize_weight(w: jax.Array, dtype: Any = E4M3, margin: float = 0.0) -> Fp8Weight:
+    """Per-output-channel quantization of a ``(N, K)`` weight.
+
+    Raises:
+      ValueError: ``w`` is not 2-D.
+    """
+    if w.ndim != 2:
+        raise ValueError(f"a linear weight must be (out, in), got shape {w.shape}")
+    scale = scale_from_amax(row_amax(w)[:, 0], dtype, margin)
+    return Fp8Weight(quantize(w, scale[:, None], dtype), scale)
+
+
+def _e5m2_grad(g32: jax.Array, fold: jax.Array, bound: jax.Array):
+    """Quantize ``g * fold`` to e5m2 with the per-tensor scale ``bound / e5m2_max``.
+
+    ``bound`` is an upper bound of ``|g * fold|`` (``amax(g) * max(fold)``), so
+    one amax reduction over ``g`` serves both backward GEMMs.
+    """
+    scale = scale_from_amax(bound, E5M2)
+    return quantize(g32 * fold, scale, E5M2), scale
+
+
+def _linear_fwd_math(x, xs, wq, ws, out_dtype):
+    xq = quantize(x, xs, E4M3)
+    acc = fp8_matmul(xq, wq, gemm_out_dtype(out_dtype))
+    y = (acc.astype(jnp.float32) * xs * ws[None, :]).astype(out_dtype)
+    return y, xq
+
+
+def _linear_bwd_math(g, xq, xs, wq, ws, x_dtype, w_dtype, want_dw: bool):
+    g32 = g.astype(jnp.float32)
+    gmax = jnp.max(jnp.abs(g32))
+    # dgrad: dx[m,k] = sum_n g[m,n] ws[n] wq[n,k]; ws does not factor out of
+    # the n-contraction, so it is folded into g before quantizing.
+    gq, gs = _e5m2_grad(g32, ws[None, :], gmax * jnp.max(ws))
+    dx = fp8_matmul(gq, wq.T, gemm_out_dtype(x_dtype))
+    dx = (dx.astype(jnp.float32) * gs).astype(x_dtype)
+    if not want_dw:
+        return dx, None
+    # wgrad: dw[n,k] = sum_m g[m,n] xs[m] xq[m,k]; the row scale of x is folded
+    # into g (a per-tensor xs folds the same way).
+    xs_rows = jnp.broadcast_to(xs, (g.shape[0], 1))
+    gq2, gs2 = _e5m2_grad(g32, xs_rows, gmax * jnp.max(xs))
+    dw = fp8_matmul(gq2.T, xq.T, gemm_out_dtype(w_dtype))
+    dw = (dw.astype(jnp.float32) * gs2).astype(w_dtype)
+    return dx, dw
+
+
+@jax.custom_vjp
+def _linear_live(x, w, xs):
+    ws = scale_from_amax(row_amax(w)[:, 0], E4M3)
+    wq = quantize(w, ws[:, None], E4M3)
+    return _linear_fwd_math(x, xs, wq, ws, x.dtype)[0]
+
+
+def _linear_live_fwd(x, w, xs):
+    ws = scale_from_amax(row_amax(w)[:, 0], E4M3)
+    wq = quantize(w, ws[:, None], E4M3)
+    y, xq = _linear_fwd_math(x, xs, wq, ws, x.dtype)
+    # Residuals are the fp8 operands (half the bytes of bf16 ones), their
+    # scales, and zero-size dtype carriers for the cotangent dtypes.
+    return y, (xq, xs, wq, ws, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _linear_live_bwd(res, g):
+    xq, xs, wq, ws, xd, wd = res
+    dx, dw = _linear_bwd_math(g, xq, xs, wq, ws, xd.dtype, wd.dtype, True)
+    return dx, dw, jnp.zeros_like(xs)
+
+
+_linear_live.defvjp(_linear_live_fwd, _linear_live_bwd)
+
+
+@jax.custom_vjp
+def _linear_frozen(x, wq, ws, xs):
+    return _linear_fwd_math(x, xs, wq, ws, x.dtype)[0]
+
+
+def _linear_frozen_fwd(x, wq, ws, xs):
+    y, xq = _linear_fwd_math(x, xs, wq, ws, x.dtype)
+    return y, (xq, xs, wq, ws, jnp.zeros((0,), x.dtype))
+
+
+def _linear_frozen_bwd(res, g):
+    xq, xs, wq, ws, xd = res
+    dx, _ = _linear_bwd_math(g, xq, xs, wq, ws, xd.dtype, None, False)
+    # A frozen weight is a constant: zero cotangents for it and its scale.
+    return dx, jnp.zeros_like(wq), jnp.zeros_like(ws), jnp.zeros_like(xs)
+
+
+_linear_frozen.defvjp(_linear_frozen_fwd, _linear_frozen_bwd)
+
+
+def fp8_linear(x: jax.Array, w: Union[jax.Array, Fp8Weight], x_scale: jax.Array) -> jax.Array:
+    """``x @ w.T`` through an fp8 GEMM, differentiable with an fp8 backward.
+
+    The forward quantizes ``x / x_scale`` to e4m3 and (for a live weight)
+    ``w`` per output channel to e4m3, runs `fp8_matmul` and multiplies both
+    scales into the result. The backward quantizes the output gradient to
+    e5m2 with a current per-tensor scale and runs two more fp8 GEMMs (see
+    the module docstring). ``x_scale`` gets a zero cotangent (scales are
+    calibrated, not trained); a live weight gets the straight-through
+    gradient ``g^T x``; an `Fp8Weight` gets zeros.
+
+    Args:
+      x: ``(M, K)`` activations (bf16/f16/f32); the output has this dtype.
+      w: ``(N, K)`` weight in a float dtype (quantized on every call, the
+        training path) or an `Fp8Weight` (quantized once, inference).
+      x_scale: float32 scalar (per-tensor) or ``(M, 1)`` (per-row) scale.
+
+    Returns:
+      ``(M, N)`` in ``x.dtype``.
+
+    Raises:
+      ValueError: shapes that do not fit, or an ``x_scale`` of another shape.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"fp8_linear expects 2-D activations (M, K), got shape {x.shape}")
+    wshape = w.q.shape if isinstance(w, Fp8Weight) else w.shape
+    if len(wshape) != 2 or wshape[1] != x.shape[1]:
+        raise ValueError(f"fp8_linear: activations {x.shape} do not fit weight {tuple(wshape)} (out, in)")
+    x_scale = jnp.asarray(x_scale, jnp.float32)
+    if x_scale.shape not in ((), (x.shape[0], 1)):
+        raise ValueError(f"x_scale must be a scalar or ({x.shape[0]}, 1), got shape {x_scale.shape}")
+    if isinstance(w, Fp8Weight):
+        return _linear_frozen(x, w.q, w.scale, x_scale)
+    return _linear_live(x, w, x_scale)
+
+
+def reference_linear(x: jax.Array, w: jax.Array, x_scale: jax.Array) -> np.ndarray:
+    """Reference of `fp8_linear`'s forward for tests: the same quantization of
+    both operands, then products and sums in float64 numpy. Returns float64."""
+    ws = scale_from_amax(row_amax(w)[:, 0], E4M3)
+    xq = np.asarray(quantize(x, x_scale, E4M3).astype(jnp.float32), np.float64)
+    wq = np.asarray(quantize(w, ws[:, None], E4M3).astype(jnp.float32), np.float64)
+    xs = np.asarray(jnp.asarray(x_scale, jnp.float32), np.float64)
+    return (xq @ wq.T) * xs * np.asarray(ws, np.float64)[None, :]

@@ -1,0 +1,713 @@
+"""fp8 seams: replaceable GEMM regions of a block, bound to static scales.
+
+A `Seam` names a region and the weights it multiplies:
+
+* `ffn_seam`: the SwiGLU FFN ``down(silu(gate(x)) * up(x))``, two
+  quantization points (its input; the down-projection input). Gate and up
+  run as one fused GEMM on the concatenated ``(2F, D)`` weight.
+* `dense_seam`: one or more linears sharing their input, fused into one
+  GEMM — `qkv_seam` (``wq, wk, wv``) and `out_proj_seam` (``wo``) are the
+  attention projections. One quantization point.
+
+`bind` measures the amax at each quantization point on calibration inputs
+(the activations the seam really sees), reduces it across samples at a
+percentile, derives the static e4m3 scales ``amax / 448``, and gates the
+fp8 version against the high-precision one: the cosine on every calibration
+sample (at the block boundary, residual included, when residuals are
+given) must reach ``gate_cos`` (0.999), else `GateRefused` names the worst.
+The `BoundSeam` carries a `Certification` record and its initial state.
+
+A bound seam is called with ``(state, params, x)``: the state (`SeamState`:
+scales and `Ledger`) is data, so it can be stacked over layers, scanned and
+carried through ``jit``. Calls are guarded (`eae_jax.fp8.guards`) and
+counted (`eae_jax.fp8.ledger`).
+
+Activation scaling modes (`SeamConfig.act_scaling`):
+
+* ``'static'``: the calibrated scales, forever; saturation is guarded.
+* ``'delayed'``: start from the calibrated scales; `BoundSeam.fold`
+  replaces them each step by the amax the step observed (for training,
+  where activations drift).
+* ``'row'``: a scale per row computed from the row's amax in the graph
+  (cannot saturate; the calibrated scales are recorded, not used).
+
+Weight scales are always per output channel, from the live weight (or once,
+for a frozen `FrozenParams` weight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eae_jax.blocks.linear import linear
+from eae_jax.blocks.swiglu import swiglu
+from eae_jax.fp8 import ledger as ledger_lib
+from eae_jax.fp8.guards import Contract, GuardRefused, trace_check, value_stats
+from eae_jax.fp8.quant import E4M3, Fp8Weight, fp8_linear, fp8_max, quantize_weight, row_amax, scale_from_amax
+
+SCALINGS = ("static", "delayed", "row")
+KINDS = ("swiglu", "dense")
+
+
+class GateRefused(RuntimeError):
+    """The bound fp8 seam missed its parity gate; ``worst`` holds the worst cosine."""
+
+    def __init__(self, message: str, worst: float):
+        super().__init__(message)
+        self.worst = worst
+
+
+@dataclasses.dataclass(frozen=True)
+class SeamConfig:
+    """How a seam quantizes, guards and gates.
+
+    Attributes:
+      act_scaling: ``'static'``, ``'delayed'`` or ``'row'`` (module docstring).
+      margin: headroom of the activation scales, in powers of two.
+      saturation_threshold: fall back when more than this fraction of a
+        point's elements lies beyond the fp8 range after scaling.
+      check_values: run the in-graph checks (non-finite, saturation,
+        detached) and fall back through ``lax.cond``. False: trace-time
+        checks only, fp8 always (no cond, no detaching).
+      check_hidden: also check saturation at the FFN's down-projection input
+        (static/delayed scaling), falling back for the whole call.
+      strict: raise `GuardRefused` instead of falling back (trace-time
+        problems at trace time; value problems from a host callback).
+      detach_after: consecutive fallbacks after which the seam detaches for
+        good (None/0: never).
+      dtypes, min_rows, max_rows, platforms, min_compute_capability: the
+        trace-time contract (`eae_jax.fp8.guards.Contract`).
+      gate_cos: the parity gate's cosine threshold (0 disables the gate).
+    """
+
+    act_scaling: str = "static"
+    margin: float = 0.0
+    saturation_threshold: float = 1e-3
+    check_values: bool = True
+    check_hidden: bool = True
+    strict: bool = False
+    detach_after: Optional[int] = 32
+    dtypes: Tuple[Any, ...] = ("bf16", "fp16", "fp32")
+    min_rows: int = 1
+    max_rows: Optional[int] = None
+    platforms: Optional[Tuple[str, ...]] = None
+    min_compute_capability: float = 8.9
+    gate_cos: float = 0.999
+
+    def __post_init__(self):
+        if self.act_scaling not in SCALINGS:
+            raise ValueError(f"unknown act_scaling {self.act_scaling!r}; expected one of {SCALINGS}")
+        if not 0.0 <= self.saturation_threshold < 1.0:
+            raise ValueError(f"saturation_threshold must be in [0, 1), got {self.saturation_threshold}")
+        if not 0.0 <= self.gate_cos <= 1.0:
+            raise ValueError(f"gate_cos must be in [0, 1], got {self.gate_cos}")
+        if self.detach_after is not None and self.detach_after < 0:
+            raise ValueError(f"detach_after must be >= 0 or None, got {self.detach_after}")
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        if self.platforms is not None:
+            object.__setattr__(self, "platforms", tuple(self.platforms))
+
+
+@dataclasses.dataclass(frozen=True)
+class Seam:
+    """A named, replaceable GEMM region (static description, no arrays).
+
+    Attributes:
+      name: used in ledgers, warnings and errors.
+      kind: ``'swiglu'`` or ``'dense'``.
+      weights: the param names it reads (``w_gate, w_up, w_down`` for
+        swiglu; the fused linears for dense, in output order).
+      config: a `SeamConfig`.
+    """
+
+    name: str
+    kind: str
+    weights: Tuple[str, ...]
+    config: SeamConfig = SeamConfig()
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown seam kind {self.kind!r}; expected one of {KINDS}")
+        if not self.weights:
+            raise ValueError("a seam needs at least one weight")
+        object.__setattr__(self, "weights", tuple(self.weights))
+
+    @property
+    def points(self) -> int:
+        """Number of activation quantization points (2 for swiglu, 1 for dense)."""
+        return 2 if self.kind == "swiglu" else 1
+
+    def replace(self, **changes) -> "Seam":
+        """A copy with fields (or config fields, by name) changed."""
+        cfg_fields = {f.name for f in dataclasses.fields(SeamConfig)}
+        cfg = {k: v for k, v in changes.items() if k in cfg_fields}
+        own = {k: v for k, v in changes.items() if k not in cfg_fields}
+        if cfg:
+            own["config"] = dataclasses.replace(own.get("config", self.config), **cfg)
+        return dataclasses.replace(self, **own)
+
+
+def ffn_seam(name: str = "ffn", config: Optional[SeamConfig] = None, **config_fields) -> Seam:
+    """The SwiGLU FFN seam over params ``{'w_gate': (F, D), 'w_up': (F, D), 'w_down': (D, F)}``."""
+    return Seam(name, "swiglu", ("w_gate", "w_up", "w_down"), _config(config, config_fields))
+
+
+def dense_seam(weights: Sequence[str], name: Optional[str] = None, config: Optional[SeamConfig] = None,
+               **config_fields) -> Seam:
+    """Linears ``x @ w.T`` sharing one input, fused into one fp8 GEMM.
+
+    Args:
+      weights: param names, each an ``(N_i, K)`` weight; the seam returns a
+        tuple of outputs in this order (one array for a single weight).
+    """
+    return Seam(name or "+".join(weights), "dense", tuple(weights), _config(config, config_fields))
+
+
+def qkv_seam(name: str = "qkv", config: Optional[SeamConfig] = None, **config_fields) -> Seam:
+    """The attention input projections ``wq, wk, wv`` as one seam."""
+    return dense_seam(("wq", "wk", "wv"), name, config, **config_fields)
+
+
+def out_proj_seam(name: str = "o", config: Optional[SeamConfig] = None, **config_fields) -> Seam:
+    """The attention output projection ``wo``."""
+    return dense_seam(("wo",), name, config, **config_fields)
+
+
+def _config(config, fields):
+    config = config or SeamConfig()
+    return dataclasses.replace(config, **fields) if fields else config
+
+
+class SeamState(NamedTuple):
+    """A seam's arrays: ``scales`` ``(points,)`` float32 and its `Ledger`
+    (any leading axes, e.g. one per layer)."""
+
+    scales: jax.Array
+    ledger: ledger_lib.Ledger
+
+
+class FrozenParams(NamedTuple):
+    """Params with their fp8 weights quantized once (inference).
+
+    Attributes:
+      hp: the high-precision params (the fallback path needs them).
+      fp8: one `Fp8Weight` per fused GEMM (swiglu: gate|up, down; dense: one).
+    """
+
+    hp: dict
+    fp8: tuple
+
+
+def init_state(seam: Seam, scales: Any = None) -> SeamState:
+    """A state with the given scales (default ones) and a zeroed ledger."""
+    if scales is None:
+        scales = jnp.ones((seam.points,), jnp.float32)
+    scales = jnp.asarray(scales, jnp.float32)
+    if scales.shape != (seam.points,):
+        raise ValueError(f"seam {seam.name!r} needs {seam.points} scale(s), got shape {scales.shape}")
+    return SeamState(scales, ledger_lib.init_ledger(seam.points))
+
+
+# ---------------------------------------------------------------------- shapes
+def seam_dims(seam: Seam, params: Any) -> Dict[str, Any]:
+    """Check ``params`` against the seam and return its dims.
+
+    Returns:
+      swiglu: ``{'D': D, 'F': F}``; dense: ``{'K': K, 'N': (N_1, ...)}``.
+
+    Raises:
+      ValueError: a missing weight or a shape that does not fit, all listed.
+    """
+    if isinstance(params, FrozenParams):
+        params = params.hp
+    if not isinstance(params, dict):
+        raise ValueError(f"seam {seam.name!r} params must be a dict of weights, got {type(params).__name__}")
+    missing = [n for n in seam.weights if n not in params]
+    if missing:
+        raise ValueError(f"seam {seam.name!r}: params lack {missing} (have {sorted(params)})")
+    shapes = {n: tuple(params[n].shape) for n in seam.weights}
+    bad = [f"{n}: {s}" for n, s in shapes.items() if len(s) != 2]
+    if bad:
+        raise ValueError(f"seam {seam.name!r}: weights must be 2-D (out, in): {', '.join(bad)}")
+    if seam.kind == "swiglu":
+        (f, d), (f2, d2), (d3, f3) = shapes["w_gate"], shapes["w_up"], shapes["w_down"]
+        if not (f == f2 == f3 and d == d2 == d3):
+            raise ValueError(f"seam {seam.name!r}: SwiGLU weights do not fit together: {shapes} "
+                             "(expected w_gate, w_up (F, D) and w_down (D, F))")
+        return {"D": d, "F": f}
+    ks = {s[1] for s in shapes.values()}
+    if len(ks) != 1:
+        raise ValueError(f"seam {seam.name!r}: fused linears must share the input width, got {shapes}")
+    return {"K": ks.pop(), "N": tuple(shapes[n][0] for n in seam.weights)}
+
+
+def input_width(seam: Seam, params: Any) -> int:
+    dims = seam_dims(seam, params)
+    return dims["D"] if seam.kind == "swiglu" else dims["K"]
+
+
+def output_width(seam: Seam, params: Any) -> int:
+    dims = seam_dims(seam, params)
+    return dims["D"] if seam.kind == "swiglu" else sum(dims["N"])
+
+
+def split_output(seam: Seam, params: Any, y: jax.Array):
+    """Fused dense output -> tuple per weight (one array for a single weight)."""
+    if seam.kind == "swiglu":
+        return y
+    ns = seam_dims(seam, params)["N"]
+    if len(ns) == 1:
+        return y
+    cuts = np.cumsum(ns)[:-1].tolist()
+    return tuple(jnp.split(y, cuts, axis=-1))
+
+
+# ---------------------------------------------------------------------- math
+def high_precision(seam: Seam, params: Any, x: jax.Array) -> jax.Array:
+    """The seam's original computation (fused output for dense seams), in ``x``'s dtype.
+
+    This is the fallback path and the gate's reference: `swiglu`, or
+    `linear` per weight, exactly as the plain block computes them.
+    """
+    if isinstance(params, FrozenParams):
+        params = params.hp
+    if seam.kind == "swiglu":
+        y = swiglu(params, x)
+    else:
+        outs = [linear(x, params[n]) for n in seam.weights]
+        y = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
+    return y.astype(x.dtype)
+
+
+def _groups(seam: Seam, params: Any):
+    """The weights of each fused GEMM: live arrays or frozen `Fp8Weight`s."""
+    if isinstance(params, FrozenParams):
+        return params.fp8
+    if seam.kind == "swiglu":
+        return (jnp.concatenate([params["w_gate"], params["w_up"]], axis=0), params["w_down"])
+    ws = [params[n] for n in seam.weights]
+    return (ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=0),)
+
+
+def freeze(seam: Seam, params: dict) -> FrozenParams:
+    """Quantize a seam's weights once (per output channel) for inference."""
+    seam_dims(seam, params)
+    groups = _groups(seam, params)
+    return FrozenParams(params, tuple(quantize_weight(g) for g in groups))
+
+
+def _act_scale(seam: Seam, x2: jax.Array, static_scale: jax.Array) -> jax.Array:
+    if seam.config.act_scaling == "row":
+        # Per-row dynamic scale; a constant as far as differentiation goes.
+        return jax.lax.stop_gradient(scale_from_amax(row_amax(x2), E4M3, seam.config.margin))
+    return static_scale
+
+
+def _first_gemm(seam, groups, x2, scales):
+    a = fp8_linear(x2, groups[0], _act_scale(seam, x2, scales[0]))
+    if seam.kind == "dense":
+        return a
+    f = a.shape[-1] // 2
+    g, u = a[:, :f], a[:, f:]
+    # silu and the product in float32 (free inside the fusion that also
+    # quantizes the result for the down projection).
+    return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x2.dtype)
+
+
+def _second_gemm(seam, groups, h, scales):
+    return fp8_linear(h, groups[1], _act_scale(seam, h, scales[1]))
+
+
+def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array) -> jax.Array:
+    """The unguarded fp8 computation of the seam on ``x`` (any leading axes).
+
+    No checks, no counting: what the gate measures and what benchmarks time
+    as "the fp8 seam" without guards. Differentiable (fp8 backward).
+
+    Returns:
+      The fused output in ``x.dtype``.
+    """
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    groups = _groups(seam, params)
+    scales = jnp.asarray(scales, jnp.float32)
+    h = _first_gemm(seam, groups, x2, scales)
+    y = h if seam.kind == "dense" else _second_gemm(seam, groups, h, scales)
+    return y.reshape(lead + (y.shape[-1],))
+
+
+def amax_points(seam: Seam, params: Any, x: jax.Array) -> jax.Array:
+    """float32 ``(points,)``: amax of the seam input and (swiglu) of the
+    down-projection input, computed in high precision."""
+    if isinstance(params, FrozenParams):
+        params = params.hp
+    a_in = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    if seam.kind == "dense":
+        return a_in[None]
+    g = linear(x, params["w_gate"]).astype(jnp.float32)
+    u = linear(x, params["w_up"]).astype(jnp.float32)
+    return jnp.stack([a_in, jnp.max(jnp.abs(jax.nn.silu(g) * u))])
+
+
+def cosine(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Cosine similarity of two arrays flattened, in float32 (1 for two zeros)."""
+    a = a.astype(jnp.float32).reshape(-1)
+    b = b.astype(jnp.float32).reshape(-1)
+    na, nb = jnp.sqrt(jnp.sum(a * a)), jnp.sqrt(jnp.sum(b * b))
+    both_zero = (na == 0) & (nb == 0)
+    return jnp.where(both_zero, 1.0, jnp.sum(a * b) / jnp.maximum(na * nb, 1e-30))
+
+
+# ---------------------------------------------------------------------- guarded call
+def contract(seam: Seam, width: int) -> Contract:
+    """The trace-time contract of a seam bound for input width ``width``."""
+    c = seam.config
+    return Contract(width=width, dtypes=c.dtypes, min_rows=c.min_rows, max_rows=c.max_rows,
+                    platforms=c.platforms, min_compute_capability=c.min_compute_capability)
+
+
+def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -> Tuple[jax.Array, ledger_lib.Ledger]:
+    """One guarded call: ``(fused output, ledger increments)``."""
+    cfg = seam.config
+    if not isinstance(state, SeamState):
+        raise TypeError(f"seam {seam.name!r}: state must be a SeamState, got {type(state).__name__}")
+    width = input_width(seam, params)
+    zeros_amax = jnp.zeros((seam.points,), jnp.float32)
+    try:
+        problem = trace_check(contract(seam, width), x)
+    except GuardRefused as err:
+        raise GuardRefused(f"eae_jax.fp8: seam {seam.name!r}: {err}") from None
+    if problem is not None:
+        reason, detail = problem
+        if cfg.strict:
+            raise GuardRefused(f"eae_jax.fp8: seam {seam.name!r} refused at trace time (strict): {reason}: {detail}")
+        if monitor is not None:
+            monitor.trace_fallback(seam.name, reason, detail)
+        return high_precision(seam, params, x), ledger_lib.increments(ledger_lib.reason_index(reason), zeros_amax)
+
+    lead = x.shape[:-1]
+    fmax = fp8_max(E4M3)
+    scales = state.scales.astype(jnp.float32)
+    static = cfg.act_scaling != "row"
+    thr = cfg.saturation_threshold
+
+    # The fp8 path runs unconditionally and the checks are reductions over the
+    # same values it quantizes, so XLA can fuse them into the quantizing
+    # kernels. One lax.cond at the end replaces the result by the
+    # high-precision one when a check failed: a single branch point per call
+    # (on GPU every cond waits for its predicate on the host), and the
+    # common path pays no extra pass. A fallback wastes the fp8 work, which
+    # is fine for something that should be rare (a detached seam keeps
+    # paying it: drop the seam from the block to stop that).
+    x2 = x.reshape(-1, width)
+    groups = _groups(seam, params)
+    amax_in, sat_in = value_stats(x2, scales[0] if static else None, fmax)
+    h = _first_gemm(seam, groups, x2, scales)
+    if seam.kind == "dense":
+        y2, amax_h, sat_h = h, None, None
+    else:
+        amax_h, sat_h = value_stats(h, scales[1] if static else None, fmax)
+        y2 = _second_gemm(seam, groups, h, scales)
+    y8 = y2.reshape(lead + (y2.shape[-1],))
+    amax = amax_in[None] if amax_h is None else jnp.stack([amax_in, amax_h])
+    if not cfg.check_values:
+        return y8, ledger_lib.increments(jnp.int32(-1), amax)
+
+    code = jnp.where(sat_in > thr, ledger_lib.reason_index("saturation"), -1)
+    if sat_h is not None and cfg.check_hidden:
+        code = jnp.where((code < 0) & (sat_h > thr), ledger_lib.reason_index("hidden_saturation"), code)
+    code = jnp.where(~jnp.isfinite(amax_in), ledger_lib.reason_index("nonfinite"), code).astype(jnp.int32)
+    if cfg.strict:
+        ledger_lib.strict_check(seam.name, code)
+        # Nothing fell back: the call ran fp8 or the host raised.
+        return y8, ledger_lib.increments(jnp.int32(-1), amax)
+
+    code = jnp.where(state.ledger.detached > 0, ledger_lib.reason_index("detached"), code).astype(jnp.int32)
+
+    def keep(operands):
+        return operands[0]
+
+    def fall_back(operands):
+        _, params_, x_ = operands
+        # Rematerialized: the fallback's residuals are its inputs only, so a
+        # path that rarely runs does not double the memory of the fp8 one.
+        return jax.checkpoint(functools.partial(high_precision, seam))(params_, x_)
+
+    hp_params = params.hp if isinstance(params, FrozenParams) else params
+    y = jax.lax.cond(code < 0, keep, fall_back, (y8, hp_params, x))
+    return y, ledger_lib.increments(code, amax)
+
+
+# ---------------------------------------------------------------------- public calls
+def apply(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=None):
+    """Guarded, counted call of a seam (the differentiable form).
+
+    Counts leave as the cotangent of ``state.ledger`` (differentiate with
+    respect to ``state`` and `fold` it; see `eae_jax.fp8.ledger`).
+
+    Args:
+      state: this seam's `SeamState` (no leading axes).
+      params: the seam's weights (dict) or `FrozenParams`.
+      x: ``(..., K)`` activations.
+      monitor: a `LedgerMonitor` for trace-time warnings (optional).
+
+    Returns:
+      swiglu: ``(..., D)``; dense: tuple of ``(..., N_i)`` (one array for
+      one weight); in ``x.dtype``.
+
+    Raises:
+      GuardRefused: wrong width / non-float input, or a trace-time contract
+        failure in strict mode.
+    """
+    y, inc = _guarded(seam, state, params, x, monitor)
+    y = ledger_lib.count(y, state.ledger, inc)
+    return split_output(seam, params, y)
+
+
+def apply_with_ledger(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=None):
+    """Like `apply` but returns ``(y, increments)`` (inference: no VJP needed)."""
+    y, inc = _guarded(seam, state, params, x, monitor)
+    return split_output(seam, params, y), inc
+
+
+def fold_state(seam: Seam, state: SeamState, inc: ledger_lib.Ledger) -> SeamState:
+    """Fold a step's ledger increments into a state (any leading axes).
+
+    With ``'delayed'`` scaling the activation scales become
+    ``amax_observed * 2**margin / 448`` wherever the step observed a finite,
+    positive amax.
+    """
+    if isinstance(inc, SeamState):  # the whole state's cotangent was passed
+        inc = inc.ledger
+    new_ledger = ledger_lib.fold(state.ledger, inc, seam.config.detach_after)
+    scales = state.scales
+    if seam.config.act_scaling == "delayed":
+        fresh = scale_from_amax(inc.amax, E4M3, seam.config.margin)
+        scales = jnp.where(inc.amax > 0, fresh, scales)
+    return SeamState(scales, new_ledger)
+
+
+# ---------------------------------------------------------------------- binding
+class Certification(NamedTuple):
+    """What `bind` measured and promised.
+
+    Attributes:
+      seam, kind: the seam's name and kind.
+      dims: see `seam_dims`.
+      scales: the activation scales bound (per point).
+      calibrated_scales: what calibration measured (equal to ``scales``
+        unless scales were overridden).
+      amax: the amax per point after the percentile reduction.
+      percentile: the percentile across samples.
+      samples: number of calibration samples; ``rows``: their row counts.
+      worst_cos: the worst gate cosine; ``cosines``: per sample.
+      bare_cosines: the same at the bare seam output.
+      gate_cos: the threshold; ``gate_boundary``: ``'block boundary (incl.
+        residual)'`` or ``'bare seam'``.
+      max_saturation: largest saturated fraction over samples and points.
+      act_scaling: the scaling mode.
+    """
+
+    seam: str
+    kind: str
+    dims: dict
+    scales: list
+    calibrated_scales: list
+    amax: list
+    percentile: float
+    samples: int
+    rows: list
+    worst_cos: float
+    cosines: list
+    bare_cosines: list
+    gate_cos: float
+    gate_boundary: str
+    max_saturation: float
+    act_scaling: str
+
+    def as_dict(self) -> dict:
+        return dict(self._asdict())
+
+
+def _as_list(samples) -> List[jax.Array]:
+    if samples is None:
+        return []
+    if isinstance(samples, (list, tuple)):
+        return [jnp.asarray(s) for s in samples]
+    return [jnp.asarray(samples)]
+
+
+def reduce_amax(amax: np.ndarray, percentile: float) -> np.ndarray:
+    """Reduce per-sample amax ``(samples, ...)`` across samples at ``percentile``
+    (linear interpolation; 100 is the max)."""
+    if not 0.0 < percentile <= 100.0:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+    return np.percentile(np.asarray(amax, np.float64), percentile, axis=0).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundSeam:
+    """A seam bound to calibrated scales, with its certification.
+
+    Attributes:
+      seam: the `Seam`.
+      state: the initial `SeamState` (scales + zeroed ledger).
+      certification: the `Certification` record.
+      monitor: host-side `LedgerMonitor` (warn once per reason, detach notice).
+    """
+
+    seam: Seam
+    state: SeamState
+    certification: Certification
+    monitor: ledger_lib.LedgerMonitor = dataclasses.field(default_factory=ledger_lib.LedgerMonitor, compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.seam.name
+
+    def __call__(self, state: SeamState, params: Any, x: jax.Array):
+        """`apply` (guarded, counted through the VJP)."""
+        return apply(self.seam, state, params, x, self.monitor)
+
+    def apply_with_ledger(self, state: SeamState, params: Any, x: jax.Array):
+        """``(y, increments)`` for inference."""
+        return apply_with_ledger(self.seam, state, params, x, self.monitor)
+
+    def high_precision(self, params: Any, x: jax.Array):
+        """The original computation (split like `apply`'s output)."""
+        return split_output(self.seam, params, high_precision(self.seam, params, x))
+
+    def fp8(self, params: Any, x: jax.Array, state: Optional[SeamState] = None):
+        """The unguarded fp8 computation with this seam's (or ``state``'s) scales."""
+        scales = (state or self.state).scales
+        return split_output(self.seam, params, fp8_forward(self.seam, params, x, scales))
+
+    def freeze(self, params: dict) -> FrozenParams:
+        """Quantize the weights once for inference (see `FrozenParams`)."""
+        return freeze(self.seam, params)
+
+    def fold(self, state: SeamState, inc: Any, notify: bool = True) -> SeamState:
+        """New state after a step (``inc``: the state's cotangent or summed increments).
+
+        With ``notify`` one host callback hands the new ledger to the monitor
+        (warnings once per reason; once on detaching).
+        """
+        new = fold_state(self.seam, state, inc)
+        if notify:
+            self.monitor.notify({self.seam.name: new.ledger})
+        return new
+
+    def report(self, state: SeamState) -> List[Dict[str, Any]]:
+        """Per seam instance: calls, fp8 calls, fallbacks (by reason), last reason, detached."""
+        return ledger_lib.report(state.ledger, self.seam.name)
+
+
+def bind(
+    seam: Seam,
+    params: Any,
+    calibration_inputs: Union[jax.Array, Sequence[jax.Array]],
+    residuals: Union[None, jax.Array, Sequence[jax.Array]] = None,
+    *,
+    percentile: float = 99.9,
+    gate_cos: Optional[float] = None,
+    scales: Any = None,
+) -> BoundSeam:
+    """Calibrate, build and gate an fp8 seam.
+
+    Args:
+      seam: what to bind (`ffn_seam`, `dense_seam` ...).
+      params: its weights (dict with the seam's weight names).
+      calibration_inputs: one array or a list of arrays ``(..., K)``: the
+        activations the seam really sees (e.g. the normed hidden states).
+      residuals: optional, aligned 1:1 with the samples: the residual
+        stream the seam's output is added to. The gate is then measured at
+        the block boundary ``residual + seam(x)``; without it, at the bare
+        seam output (harsher). Only for seams whose output width equals
+        the residual's.
+      percentile: per-sample amax values are reduced across samples at this
+        percentile (100 = max).
+      gate_cos: cosine threshold (default ``seam.config.gate_cos``; 0
+        disables the gate).
+      scales: override the calibrated scales (``(points,)``), e.g. to reuse
+        scales; the gate still runs on them.
+
+    Returns:
+      A `BoundSeam`.
+
+    Raises:
+      ValueError: no samples, mismatched widths/residuals, bad params.
+      GateRefused: the fp8 seam's worst cosine is under the threshold.
+    """
+    dims = seam_dims(seam, params)
+    width = input_width(seam, params)
+    samples = _as_list(calibration_inputs)
+    if not samples:
+        raise ValueError(f"seam {seam.name!r}: bind needs at least one calibration sample")
+    for i, s in enumerate(samples):
+        if s.ndim < 1 or s.shape[-1] != width or not jnp.issubdtype(s.dtype, jnp.floating):
+            raise ValueError(f"seam {seam.name!r}: calibration sample {i} has shape {s.shape} and dtype {s.dtype}; "
+                             f"expected float (..., {width})")
+    res = _as_list(residuals)
+    if residuals is not None:
+        if len(res) != len(samples):
+            raise ValueError(f"seam {seam.name!r}: {len(res)} residuals for {len(samples)} calibration samples; "
+                             "they must align 1:1")
+        out_w = output_width(seam, params)
+        for i, (r, s) in enumerate(zip(res, samples)):
+            if r.shape != s.shape[:-1] + (out_w,):
+                raise ValueError(f"seam {seam.name!r}: residual {i} has shape {r.shape}, expected "
+                                 f"{s.shape[:-1] + (out_w,)} (the seam's output)")
+    thr = seam.config.gate_cos if gate_cos is None else float(gate_cos)
+
+    amax_fn = jax.jit(functools.partial(amax_points, seam))
+    amax = np.stack([np.asarray(amax_fn(params, s)) for s in samples])
+    reduced = reduce_amax(amax, percentile)
+    calibrated = scale_from_amax(jnp.asarray(reduced), E4M3, seam.config.margin)
+    used = calibrated if scales is None else jnp.asarray(scales, jnp.float32)
+    if used.shape != (seam.points,):
+        raise ValueError(f"seam {seam.name!r} needs {seam.points} scale(s), got shape {used.shape}")
+
+    @jax.jit
+    def measure(params, x, r, scales_):
+        y8 = fp8_forward(seam, params, x, scales_)
+        yh = high_precision(seam, params, x)
+        bare = cosine(y8, yh)
+        boundary = bare if r is None else cosine(r.astype(jnp.float32) + y8.astype(jnp.float32),
+                                                 r.astype(jnp.float32) + yh.astype(jnp.float32))
+        sat_in = value_stats(x, scales_[0], fp8_max(E4M3))[1]
+        sat = sat_in
+        if seam.kind == "swiglu":
+            g = linear(x, params["w_gate"]).astype(jnp.float32)
+            u = linear(x, params["w_up"]).astype(jnp.float32)
+            sat = jnp.maximum(sat_in, value_stats(jax.nn.silu(g) * u, scales_[1], fp8_max(E4M3))[1])
+        return boundary, bare, sat
+
+    cos, bare, sats = [], [], []
+    for i, s in enumerate(samples):
+        c, b, st = measure(params, s, res[i] if res else None, used)
+        cos.append(float(c))
+        bare.append(float(b))
+        sats.append(float(st))
+    worst = min(cos)
+    boundary_name = "block boundary (incl. residual)" if res else "bare seam"
+    if thr and not worst >= thr:  # NaN fails too
+        raise GateRefused(
+            f"eae_jax.fp8: seam {seam.name!r} refused: worst cosine {worst:.6f} < {thr} at the {boundary_name} "
+            f"on {len(samples)} calibration sample(s) (scales {np.asarray(used).tolist()})"
+            + ("" if res else "; pass residuals= to gate at the block boundary"),
+            worst,
+        )
+    cert = Certification(
+        seam=seam.name, kind=seam.kind, dims=dims, scales=np.asarray(used).tolist(),
+        calibrated_scales=np.asarray(calibrated).tolist(), amax=reduced.tolist(), percentile=float(percentile),
+        samples=len(samples), rows=[int(np.prod(s.shape[:-1])) for s in samples], worst_cos=worst,
+        cosines=cos, bare_cosines=bare, gate_cos=thr, gate_boundary=boundary_name,
+        max_saturation=max(sats), act_scaling=seam.config.act_scaling,
+    )
+    return BoundSeam(seam, init_state(seam, used), cert)

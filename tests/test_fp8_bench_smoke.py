@@ -1,0 +1,44 @@
+"""experiments/bench_fp8.py --smoke runs end to end on CPU (so the one GPU call
+works the first time) and its results say what they should."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_fp8", os.path.join(ROOT, "experiments", "bench_fp8.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::eae_jax.fp8.Fp8FallbackWarning")  # delayed scaling's first steps may fall back
+def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    _load().main(["--smoke"])
+    res = json.loads((tmp_path / "bench_fp8_smoke.json").read_text())
+    assert set(res) >= {"env", "ffn", "e2e", "train"}
+    for section in ("ffn", "e2e", "train"):
+        if isinstance(res[section], dict):
+            assert "error" not in res[section], res[section]
+    variants = {r["variant"]: r for r in res["ffn"]}
+    assert not [r for r in res["ffn"] if "error" in r and not r["variant"].startswith("flax")]
+    ours = variants["eae fp8 static"]
+    assert 0.99 < ours["cos_bare"] < 1.0 and ours["cos_boundary"] > 0.999
+    assert ours["fwd"]["lowered_fp8_dots"] == 2 and ours["fb"]["lowered_fp8_dots"] == 6
+    assert ours["fp8_calls_fwd"] == 1.0 and ours["fp8_calls_fb"] == 1.0
+    assert ours["fwd"]["median_ms"] > 0 and ours["fb"]["median_ms"] > 0
+    (e2e,) = res["e2e"]
+    assert "error" not in e2e, e2e
+    assert e2e["calls_exact"] and e2e["fallbacks"] == 0 and e2e["fp8_fraction"] == 1.0
+    assert e2e["gate_worst_cos"] >= 0.999 and e2e["fp8"]["lowered_fp8_dots"] > 0
+    train = res["train"]
+    assert train["within_2pct"], train
+    assert train["fp8"]["ledger"]["fp8_calls"] > 0.9 * train["fp8"]["ledger"]["calls"]
+    assert len(train["bf16"]["losses"]) == train["config"]["steps"]

@@ -1,0 +1,131 @@
+"""Decoder blocks with fp8 seams: parity of the high-precision path with the
+plain block, per-layer gating, and a reconstruct train step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eae_jax
+from eae_jax import fp8
+from eae_jax.blocks import BlockConfig, decoder_block, init_stack, plain_stack
+
+DEPTH = 3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = BlockConfig(dim=64, num_heads=4, num_kv_heads=2, ffn_hidden_dim=128, compute_dtype="bf16",
+                      rope_style="half")
+    params = init_stack(jax.random.key(0), cfg, DEPTH)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 64)).astype(jnp.bfloat16)
+    cal = jax.random.normal(jax.random.key(2), (2, 16, 64)).astype(jnp.bfloat16)
+    return cfg, params, x, fp8.bind_block(cfg, params, [cal, x])
+
+
+def _detached(state):
+    return {n: s._replace(ledger=s.ledger._replace(detached=jnp.ones_like(s.ledger.detached)))
+            for n, s in state.items()}
+
+
+def test_high_precision_path_is_the_plain_block_bit_for_bit(setup):
+    cfg, params, x, bound = setup
+    ref = jax.jit(lambda p, x: plain_stack(decoder_block(cfg), p, x))(params, x)
+    got = jax.jit(lambda p, x: plain_stack(bound.block_fn(), p, x))(bound.params(params, _detached(bound.state)), x)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+    # a block with no seams at all is the plain block too
+    none = fp8.fp8_block(cfg, {})
+    got = plain_stack(none, {"params": params, "fp8": {}}, x)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+
+
+def test_certification_per_seam_and_layer(setup):
+    cfg, params, x, bound = setup
+    assert set(bound.certification) == {"qkv", "o", "ffn"}
+    ffn = bound.certification["ffn"]
+    assert ffn["dims"] == {"D": 64, "F": 128} and ffn["depth"] == DEPTH and ffn["samples"] == 2
+    assert np.asarray(ffn["scales"]).shape == (DEPTH, 2)
+    assert bound.certification["qkv"]["dims"] == {"K": 64, "N": (64, 32, 32)}
+    for c in bound.certification.values():
+        assert len(c["worst_cos_per_layer"]) == DEPTH and c["worst_cos"] >= 0.999
+        assert c["gate_boundary"] == "block boundary (incl. residual)"
+        assert all(b <= w + 1e-6 for b, w in zip(c["bare_cos_per_layer"], c["worst_cos_per_layer"]))
+    assert bound.state["ffn"].scales.shape == (DEPTH, 2)
+    assert bound.state["o"].ledger.reasons.shape == (DEPTH, len(fp8.REASONS))
+
+
+def test_gate_names_the_failing_seam_and_layer(setup):
+    cfg, params, x, bound = setup
+    broken = np.array(bound.certification["ffn"]["scales"], np.float32)
+    broken[1] /= 300.0
+    with pytest.raises(fp8.GateRefused, match="ffn at layer 1") as info:
+        fp8.bind_block(cfg, params, [x], scales={"ffn": broken})
+    assert "layer 0" not in str(info.value) and info.value.worst < 0.999
+    with pytest.raises(ValueError, match="unknown seam"):
+        fp8.bind_block(cfg, params, [x], scales={"mlp": broken})
+    with pytest.raises(ValueError, match="unknown block seam"):
+        fp8.block_seams(("qkv", "mlp"))
+    with pytest.raises(ValueError, match="expected \\(batch, seq, 64\\)"):
+        fp8.bind_block(cfg, params, [x[0]])
+
+
+def test_reconstruct_train_step_matches_bf16_gradients(setup):
+    cfg, params, x, bound = setup
+    ct = jax.random.normal(jax.random.key(5), x.shape)
+    stack8 = eae_jax.reconstruct(bound.block_fn())
+    stack = eae_jax.reconstruct(decoder_block(cfg))
+
+    @jax.jit
+    def grads(params, state):
+        l8, g8 = jax.value_and_grad(lambda p: jnp.mean(stack8(p, x).astype(jnp.float32) * ct))(
+            bound.params(params, state))
+        l, g = jax.value_and_grad(lambda p: jnp.mean(stack(p, x).astype(jnp.float32) * ct))(params)
+        return l8, g8, l, g
+
+    l8, g8, l, g = grads(params, bound.state)
+    assert abs(float(l8) - float(l)) < 0.02 * abs(float(l)) + 1e-4
+    flat8 = jnp.concatenate([a.ravel() for a in jax.tree_util.tree_leaves(g8["params"])])
+    flat = jnp.concatenate([a.ravel() for a in jax.tree_util.tree_leaves(g)])
+    assert float(fp8.cosine(flat8, flat)) > 0.99
+    for leaf8, leaf in zip(jax.tree_util.tree_leaves(g8["params"]), jax.tree_util.tree_leaves(g)):
+        assert float(fp8.cosine(leaf8, leaf)) > 0.97
+    new = bound.fold(bound.state, g8["fp8"], notify=False)
+    assert all(e["calls"] == 1 and e["fp8_calls"] == 1 for e in bound.report(new))
+
+
+def test_forward_variant_in_a_scan(setup):
+    cfg, params, x, bound = setup
+    blk = bound.block_fn_with_ledger()
+
+    @jax.jit
+    def run(p, x):
+        def body(h, pi):
+            y, inc = blk(pi, h)
+            return y, inc
+
+        return jax.lax.scan(body, x, p)
+
+    y, incs = run(bound.params(params), x)
+    new = bound.fold(bound.state, incs, notify=False)
+    assert all(e["calls"] == 1 and e["fallbacks"] == 0 for e in bound.report(new))
+    ref = plain_stack(decoder_block(cfg), params, x)
+    assert float(fp8.cosine(y, ref)) > 0.999
+    y2 = plain_stack(bound.block_fn(), bound.params(params), x)
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y2.astype(jnp.float32)))
+
+
+def test_block_rejects_bad_params(setup):
+    cfg, params, x, bound = setup
+    blk = bound.block_fn()
+    one = jax.tree_util.tree_map(lambda a: a[0], params)
+    with pytest.raises(ValueError, match="'params'"):
+        blk(one, x)
+    with pytest.raises(ValueError, match="no state for seam"):
+        blk({"params": one, "fp8": {}}, x)
+
+
+def test_policy_seams():
+    assert fp8.policy_seams(eae_jax.DTypePolicy.from_name("bf16")) == {}
+    assert list(fp8.policy_seams(eae_jax.DTypePolicy.from_name("fp8_e4m3"), ("ffn",))) == ["ffn"]
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8.policy_seams(eae_jax.DTypePolicy.from_name("fp8_e5m2"))

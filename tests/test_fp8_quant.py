@@ -1,0 +1,191 @@
+"""fp8 arithmetic: scales, quantization, the fp8 GEMM forward and backward, and
+that the graph really multiplies fp8 operands."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from eae_jax import fp8
+from eae_jax.fp8 import quant
+
+
+def _rand(key, shape, scale=1.0, dtype=jnp.float32):
+    return (jax.random.normal(jax.random.key(key), shape) * scale).astype(dtype)
+
+
+def test_fp8_max_and_bad_format():
+    assert fp8.fp8_max(jnp.float8_e4m3fn) == 448.0
+    assert fp8.fp8_max(jnp.float8_e5m2) == 57344.0
+    with pytest.raises(ValueError, match="not an fp8 format"):
+        fp8.fp8_max(jnp.bfloat16)
+
+
+def test_scale_from_amax():
+    amax = jnp.array([448.0, 4.48, 0.0, jnp.nan, jnp.inf])
+    s = np.asarray(fp8.scale_from_amax(amax))
+    np.testing.assert_allclose(s[:2], [1.0, 0.01], rtol=1e-6)
+    np.testing.assert_array_equal(s[2:], [1.0, 1.0, 1.0])  # nothing to scale / nothing trustworthy
+    np.testing.assert_allclose(fp8.scale_from_amax(jnp.array(448.0), margin=1.0), 2.0)
+    np.testing.assert_allclose(fp8.scale_from_amax(jnp.array(57344.0), jnp.float8_e5m2), 1.0)
+
+
+@pytest.mark.parametrize("dtype,ml", [(jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn), (jnp.float8_e5m2, ml_dtypes.float8_e5m2)])
+def test_quantize_matches_numpy_cast_and_saturates(dtype, ml):
+    x = np.array([0.0, 1.0, -3.3, 1e-3, 500.0, -1e6, np.nan], np.float32)
+    scale = np.float32(0.5)
+    q = np.asarray(fp8.quantize(jnp.asarray(x), scale, dtype).astype(jnp.float32))
+    fmax = float(ml_dtypes.finfo(ml).max)
+    expect = np.clip(x / scale, -fmax, fmax).astype(ml).astype(np.float32)
+    np.testing.assert_array_equal(q, expect)
+    assert q[4] == (448.0 if fmax == 448.0 else 1024.0)  # 1000 saturates in e4m3, rounds to 1024 in e5m2
+    assert q[5] == -fmax  # saturated, not NaN
+    assert np.isnan(q[6])
+
+
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 2e-6), (jnp.bfloat16, 8e-3)])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fp8_linear_forward_matches_float64_reference(dtype, rtol, per_row):
+    x = _rand(0, (24, 48), 2.0, dtype)
+    w = _rand(1, (40, 48), 0.1, dtype)
+    xs = fp8.scale_from_amax(quant.row_amax(x)) if per_row else fp8.scale_from_amax(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    y = fp8.fp8_linear(x, w, xs)
+    assert y.dtype == dtype and y.shape == (24, 40)
+    ref = quant.reference_linear(x, w, xs)
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+    # and it is an fp8 approximation of the real product, not the product itself
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    err = np.linalg.norm(np.asarray(y, np.float64) - exact) / np.linalg.norm(exact)
+    assert 1e-3 < err < 0.08
+
+
+def test_fp8_linear_backward_matches_reference_of_same_quantization():
+    x = _rand(0, (32, 48), 1.5)
+    w = _rand(1, (16, 48), 0.2)
+    g = _rand(2, (32, 16), 1e-3)
+    xs = jnp.float32(0.01)
+    _, vjp = jax.vjp(lambda x, w: fp8.fp8_linear(x, w, xs), x, w)
+    dx, dw = vjp(g)
+    # reference: e5m2 gradient (folded scales, per-tensor bound) times the e4m3 operands, in float64
+    ws = fp8.scale_from_amax(quant.row_amax(w)[:, 0])
+    wq = np.asarray(fp8.quantize(w, ws[:, None]).astype(jnp.float32), np.float64)
+    xq = np.asarray(fp8.quantize(x, xs).astype(jnp.float32), np.float64)
+    gmax = jnp.max(jnp.abs(g))
+    s1 = fp8.scale_from_amax(gmax * jnp.max(ws), jnp.float8_e5m2)
+    g1 = np.asarray(fp8.quantize(g * ws[None, :], s1, jnp.float8_e5m2).astype(jnp.float32), np.float64)
+    s2 = fp8.scale_from_amax(gmax * xs, jnp.float8_e5m2)
+    g2 = np.asarray(fp8.quantize(g * xs, s2, jnp.float8_e5m2).astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(np.asarray(dx), (g1 @ wq) * float(s1), rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(dw), (g2.T @ xq) * float(s2), rtol=1e-5, atol=1e-9)
+    # close to the true gradient (e5m2 has 2 mantissa bits)
+    exact_dx = np.asarray(g, np.float64) @ np.asarray(w, np.float64)
+    cos = np.sum(exact_dx * np.asarray(dx)) / np.linalg.norm(exact_dx) / np.linalg.norm(np.asarray(dx))
+    assert cos > 0.99
+
+
+def test_scale_gets_zero_cotangent_and_frozen_equals_live():
+    x = _rand(0, (8, 32), 1.0, jnp.bfloat16)
+    w = _rand(1, (16, 32), 0.3, jnp.bfloat16)
+    xs = jnp.float32(0.01)
+    g_scale = jax.grad(lambda s: jnp.sum(fp8.fp8_linear(x, w, s).astype(jnp.float32)))(xs)
+    assert float(g_scale) == 0.0
+    frozen = fp8.quantize_weight(w)
+    np.testing.assert_array_equal(np.asarray(fp8.fp8_linear(x, frozen, xs)), np.asarray(fp8.fp8_linear(x, w, xs)))
+    dx_live = jax.grad(lambda x: jnp.sum(fp8.fp8_linear(x, w, xs).astype(jnp.float32)))(x)
+    dx_frozen = jax.grad(lambda x: jnp.sum(fp8.fp8_linear(x, frozen, xs).astype(jnp.float32)))(x)
+    np.testing.assert_array_equal(np.asarray(dx_live), np.asarray(dx_frozen))
+
+
+def test_fp8_linear_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="do not fit weight"):
+        fp8.fp8_linear(jnp.ones((4, 8)), jnp.ones((3, 9)), 1.0)
+    with pytest.raises(ValueError, match="2-D activations"):
+        fp8.fp8_linear(jnp.ones((2, 4, 8)), jnp.ones((3, 8)), 1.0)
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8.fp8_linear(jnp.ones((4, 8)), jnp.ones((3, 8)), jnp.ones((3,)))
+    with pytest.raises(ValueError, match="fp8 operands"):
+        fp8.fp8_matmul(jnp.ones((4, 8)), jnp.ones((3, 8)), jnp.float32)
+
+
+def _dot_operand_types(text):
+    """(lhs, rhs) element types of every stablehlo.dot_general in lowered text."""
+    out = []
+    for line in text.splitlines():
+        if "stablehlo.dot_general" in line:
+            types = re.findall(r"tensor<[0-9x]*x?([a-zA-Z0-9]+)>", line.split(":")[-1])
+            out.append(tuple(types[:2]))
+    return out
+
+
+def test_graph_multiplies_fp8_operands_forward_and_backward():
+    """The seam's jaxpr/StableHLO has dot_generals whose operands ARE fp8 (not
+    quantize -> dequantize -> bf16 dots), forward and backward."""
+    p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16),
+                               __import__("eae_jax").blocks.init_swiglu(jax.random.key(0), 64, 128))
+    x = _rand(1, (32, 64), 1.0, jnp.bfloat16)
+    seam = fp8.ffn_seam(check_values=False)
+    state = fp8.init_state(seam, [0.01, 0.01])
+
+    def loss(p, x):
+        return jnp.sum(fp8.apply(seam, state, p, x).astype(jnp.float32) * 0.5)  # no dot in the loss
+
+    fwd = _dot_operand_types(jax.jit(lambda p, x: fp8.apply(seam, state, p, x)).lower(p, x).as_text())
+    assert fwd == [("f8E4M3FN", "f8E4M3FN")] * 2, fwd
+    both = _dot_operand_types(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(p, x).as_text())
+    assert len(both) == 6, both
+    assert sorted(both) == sorted([("f8E4M3FN", "f8E4M3FN")] * 2 + [("f8E5M2", "f8E4M3FN")] * 4), both
+    # the jaxpr agrees: every dot_general has float8 inputs
+    jaxpr = str(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(p, x))
+    dot_lines = [l for l in jaxpr.splitlines() if "dot_general" in l and "=" in l]
+    assert dot_lines
+    for eqn in re.findall(r"dot_general\[[^\]]*\] (\w+) (\w+)", jaxpr):
+        for var in eqn:
+            decl = re.search(rf"\b{var}:([a-z0-9_]+)\[", jaxpr)
+            assert decl and decl.group(1).startswith("f8"), (var, decl and decl.group(1))
+
+
+def test_guarded_seam_has_fp8_dots_and_only_fallback_dots_in_high_precision():
+    p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16),
+                               __import__("eae_jax").blocks.init_swiglu(jax.random.key(0), 64, 128))
+    x = _rand(1, (32, 64), 1.0, jnp.bfloat16)
+    seam = fp8.ffn_seam()
+    state = fp8.init_state(seam, [0.01, 0.01])
+    types = _dot_operand_types(jax.jit(lambda p, x: fp8.apply(seam, state, p, x)).lower(p, x).as_text())
+    assert types.count(("f8E4M3FN", "f8E4M3FN")) == 2
+    assert types.count(("bf16", "bf16")) == 3  # the fallback branch: swiglu's three GEMMs
+    assert len(types) == 5
+
+
+def _has_gpu():
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU (fp8 GEMMs need compute capability >= 8.9)")
+def test_compiled_hlo_has_cublaslt_fp8_gemm():
+    dev = jax.devices("gpu")[0]
+    cc = float(getattr(dev, "compute_capability", "0") or 0)
+    if cc < 8.9:
+        pytest.skip(f"GPU compute capability {cc} has no fp8 GEMMs")
+    # The 1B-like FFN shape: at small shapes XLA may keep a GEMM in bf16.
+    p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16),
+                               __import__("eae_jax").blocks.init_swiglu(jax.random.key(0), 2048, 5632))
+    x = _rand(1, (8192, 2048), 1.0, jnp.bfloat16)
+    seam = fp8.ffn_seam()
+    state = fp8.init_state(seam, [0.01, 0.01])
+
+    def loss(p, x):
+        return jnp.sum(fp8.apply(seam, state, p, x).astype(jnp.float32) * 0.5)
+
+    fwd = jax.jit(lambda p, x: fp8.apply(seam, state, p, x)).lower(p, x).compile().as_text()
+    both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(p, x).compile().as_text()
+    assert fwd.count("__cublas$lt$matmul$f8") >= 2, "forward fp8 GEMMs missing from the compiled HLO"
+    print("fp8 GEMMs forward:", fwd.count("__cublas$lt$matmul$f8"), "forward+backward:",
+          both.count("__cublas$lt$matmul$f8"))
+    assert both.count("__cublas$lt$matmul$f8") >= 6, "forward+backward fp8 GEMMs missing from the compiled HLO"

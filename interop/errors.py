@@ -1,0 +1,102 @@
+"""Exceptions raised by `interop`.
+
+Every error is a `ValueError` subclass, so ``except ValueError`` still works
+for callers that do not care which check failed, while tests and tools can
+tell a missing tensor from an unsafe pickle from an unknown file.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Tuple
+
+
+class InteropError(ValueError):
+    """Base class of every error raised while reading or writing checkpoints."""
+
+
+class CheckpointMismatchError(InteropError):
+    """The tensors of a checkpoint do not fit the model they are meant for.
+
+    All problems are collected before raising, so one error names every
+    missing key, every unexpected key, every shape mismatch and every dtype
+    problem at once.
+
+    Attributes:
+      missing: names the model needs that the checkpoint lacks.
+      unexpected: names in the checkpoint the model has no place for.
+      shape_mismatches: ``(name, got_shape, expected_shape)`` triples.
+      other: any further problems (dtype mixes, tied tables that differ ...).
+    """
+
+    def __init__(
+        self,
+        where: str,
+        missing: Iterable[str] = (),
+        unexpected: Iterable[str] = (),
+        shape_mismatches: Iterable[Tuple[str, tuple, tuple]] = (),
+        other: Iterable[str] = (),
+    ):
+        self.where = where
+        self.missing = sorted(missing, key=_natural_key)
+        self.unexpected = sorted(unexpected, key=_natural_key)
+        self.shape_mismatches = sorted(shape_mismatches, key=lambda t: _natural_key(t[0]))
+        self.other = list(other)
+        lines = [f"{where}: checkpoint does not match the model"]
+        if self.missing:
+            lines.append(f"  missing keys ({len(self.missing)}):")
+            lines += [f"    {k}" for k in self.missing]
+        if self.unexpected:
+            lines.append(f"  unexpected keys ({len(self.unexpected)}):")
+            lines += [f"    {k}" for k in self.unexpected]
+        if self.shape_mismatches:
+            lines.append(f"  shape mismatches ({len(self.shape_mismatches)}):")
+            lines += [f"    {k}: checkpoint has {tuple(g)}, model expects {tuple(e)}" for k, g, e in self.shape_mismatches]
+        if self.other:
+            lines.append(f"  other problems ({len(self.other)}):")
+            lines += [f"    {p}" for p in self.other]
+        super().__init__("\n".join(lines))
+
+    @property
+    def empty(self) -> bool:
+        return not (self.missing or self.unexpected or self.shape_mismatches or self.other)
+
+
+class UnsafeCheckpointError(InteropError):
+    """A pickle asked for something outside the weights-only allowlist.
+
+    Raised instead of executing it: nothing from the file ran.
+
+    Attributes:
+      path: the file.
+      global_name: the refused global (``module.name``) when torch reported it.
+    """
+
+    def __init__(self, path: str, detail: str, global_name: Optional[str] = None):
+        self.path = path
+        self.global_name = global_name
+        what = f"the global {global_name!r}" if global_name else "an object outside the allowlist"
+        super().__init__(
+            f"{path}: refused to load: the pickle references {what}, which a weights-only load does not "
+            f"allow (it could run arbitrary code). Nothing from the file was executed. Only load "
+            f"checkpoints of plain tensors/dicts (or the allowlisted reference modules). Detail: {detail}"
+        )
+
+
+class CorruptCheckpointError(InteropError):
+    """The file is truncated or otherwise damaged."""
+
+
+class UnknownFormatError(InteropError):
+    """The file (or object) is not any of the supported checkpoint formats."""
+
+
+class UnsupportedConfigError(InteropError):
+    """The checkpoint's architecture has a feature the JAX port does not implement
+    (biases, rope scaling, dropout, another activation ...)."""
+
+
+def _natural_key(name: str) -> Sequence:
+    """Sort ``layers.10`` after ``layers.9``."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

@@ -1,0 +1,286 @@
+"""Hugging Face LLaMA checkpoints <-> eae_jax LM params.
+
+A checkpoint is a directory with ``config.json`` and the weights as
+``model.safetensors``, ``pytorch_model.bin`` (a torch pickle, read
+weights-only) or their sharded ``*.index.json`` forms. Tensor names:
+``model.embed_tokens.weight``, ``model.layers.N.self_attn.{q,k,v,o}_proj.weight``,
+``model.layers.N.mlp.{gate,up,down}_proj.weight``,
+``model.layers.N.input_layernorm.weight``,
+``model.layers.N.post_attention_layernorm.weight``, ``model.norm.weight``,
+``lm_head.weight`` (absent when ``tie_word_embeddings``).
+
+RoPE: Hugging Face LLaMA rotates the two halves of each head
+(``rotate_half``), not interleaved pairs. The q/k weights are taken as
+they are and the JAX blocks run with ``rope_style='half'``; no rows are
+permuted. Config fields read: hidden_size, num_attention_heads,
+num_key_value_heads, intermediate_size, num_hidden_layers, vocab_size,
+rms_norm_eps, rope_theta (``rope_parameters`` in transformers 5),
+max_position_embeddings, tie_word_embeddings. Features the JAX blocks do not
+implement (biases, rope scaling, another activation, a head_dim that is not
+hidden/heads) are refused with `UnsupportedConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Mapping, Optional
+
+import numpy as np
+
+from eae_jax.blocks import BlockConfig
+from eae_jax.models import LMConfig
+from interop.errors import CorruptCheckpointError, UnknownFormatError, UnsupportedConfigError
+from interop.imported import ImportedModel
+from interop.layout import HF_LM, lm_params_from_tensors, lm_tensors_from_params
+from interop.safe_load import load_safetensors_file, load_torch_file, read_json, state_dict_to_numpy
+from interop.tensors import numpy_to_torch, require_torch, resolve_dtype
+
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_NAME = "pytorch_model.bin"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+
+
+def _rope(config: Mapping[str, Any]):
+    """(theta, rope_type, extra keys) from either the v5 ``rope_parameters`` or the v4 fields."""
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and params:
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        extra = sorted(k for k in params if k not in ("rope_theta", "rope_type", "type"))
+        return float(theta), rope_type, extra
+    scaling = config.get("rope_scaling")
+    rope_type = "default"
+    extra = []
+    if isinstance(scaling, Mapping) and scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        extra = sorted(k for k in scaling if k not in ("rope_type", "type"))
+    return float(config.get("rope_theta", 10000.0)), rope_type, extra
+
+
+def lm_config_from_hf(config: Any, compute_dtype: Any = None) -> LMConfig:
+    """`LMConfig` (``rope_style='half'``) from a Hugging Face LLaMA config.
+
+    Args:
+      config: a config.json dict or a ``transformers.LlamaConfig``.
+      compute_dtype: forwarded to the `BlockConfig`.
+
+    Raises:
+      UnsupportedConfigError: not a LLaMA config, or a feature the JAX blocks
+        lack (the message lists every one found).
+    """
+    if not isinstance(config, Mapping):
+        if hasattr(config, "to_dict"):
+            config = config.to_dict()
+        else:
+            raise UnknownFormatError(f"expected a config dict or LlamaConfig, got {type(config).__name__}")
+    problems = []
+    model_type = config.get("model_type", "llama")
+    if model_type != "llama":
+        problems.append(f"model_type {model_type!r} (only 'llama' is supported)")
+    need = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")
+    missing = [k for k in need if config.get(k) is None]
+    if missing:
+        raise UnsupportedConfigError(f"Hugging Face config lacks {missing}")
+    dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {config.get('hidden_act')!r} (only silu / SwiGLU)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            problems.append(f"{flag}=True (eae_jax blocks have no biases)")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and dim % heads == 0 and int(head_dim) != dim // heads:
+        problems.append(f"head_dim {head_dim} != hidden_size / num_attention_heads = {dim // heads}")
+    theta, rope_type, extra = _rope(config)
+    if rope_type not in (None, "default"):
+        problems.append(f"rope type {rope_type!r} with {extra} (only unscaled RoPE is supported)")
+    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append(f"partial_rotary_factor {config.get('partial_rotary_factor')}")
+    if problems:
+        raise UnsupportedConfigError("unsupported Hugging Face LLaMA config:\n  " + "\n  ".join(problems))
+    block = BlockConfig(
+        dim=dim, num_heads=heads, num_kv_heads=kv, ffn_hidden_dim=int(config["intermediate_size"]),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_style="half",
+        max_seq_len=int(config.get("max_position_embeddings", 2048)), compute_dtype=compute_dtype,
+    )
+    return LMConfig(vocab_size=int(config["vocab_size"]), depth=int(config["num_hidden_layers"]), block=block,
+                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def hf_config_from_lm(cfg: LMConfig, base: Optional[Mapping[str, Any]] = None, dtype: Any = None) -> Dict[str, Any]:
+    """A config.json dict for ``cfg``. Fields of ``base`` (e.g. the imported
+    original: token ids, transformers_version) are kept; the architecture
+    fields are overwritten from ``cfg``; ``dtype`` (the weights' dtype), when
+    given, is recorded as transformers does.
+
+    Raises:
+      UnsupportedConfigError: ``cfg`` uses interleaved RoPE (HF LLaMA rotates halves).
+    """
+    b = cfg.block
+    if b.rope_style != "half":
+        raise UnsupportedConfigError(
+            "Hugging Face LLaMA rotates half-split RoPE pairs; this model uses rope_style='interleaved' "
+            "and would compute something else under HF's code")
+    out = dict(base or {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                        "attention_bias": False, "mlp_bias": False})
+    out.update(hidden_size=b.dim, num_attention_heads=b.num_heads, num_key_value_heads=b.num_kv_heads,
+               intermediate_size=b.ffn_hidden_dim, num_hidden_layers=cfg.depth, vocab_size=cfg.vocab_size,
+               rms_norm_eps=b.norm_eps, max_position_embeddings=b.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
+               head_dim=b.head_dim)
+    if isinstance(out.get("rope_parameters"), Mapping) or base is None:
+        out["rope_parameters"] = {**dict(out.get("rope_parameters") or {}), "rope_type": "default", "rope_theta": b.rope_theta}
+    if "rope_theta" in out or base is None:
+        out["rope_theta"] = b.rope_theta
+    if dtype is not None:
+        # transformers 5 writes "dtype", 4.x "torch_dtype"; update whichever the base uses.
+        out["torch_dtype" if "torch_dtype" in out and "dtype" not in out else "dtype"] = np.dtype(dtype).name
+    return out
+
+
+def import_hf_state_dict(state_dict: Mapping[str, Any], config: Any, *, dtype: Any = None,
+                         where: str = "Hugging Face LLaMA state dict") -> ImportedModel:
+    """Import a LLaMA state dict (torch tensors or numpy arrays) with its config.
+
+    A tied model may include ``lm_head.weight`` (``model.state_dict()`` does);
+    it must equal the embedding. Non-persistent RoPE ``inv_freq`` buffers of
+    old exports are skipped; any other unknown name is an error.
+
+    Raises:
+      UnsupportedConfigError: see `lm_config_from_hf`.
+      CheckpointMismatchError: every missing / unexpected / mis-shaped tensor.
+    """
+    if not isinstance(config, Mapping) and hasattr(config, "to_dict"):
+        config = config.to_dict()
+    cfg = lm_config_from_hf(config)
+    if all(isinstance(v, np.ndarray) for v in state_dict.values()):
+        tensors = dict(state_dict)
+    else:
+        tensors = state_dict_to_numpy(dict(state_dict), where)
+    params = lm_params_from_tensors(tensors, cfg, HF_LM, resolve_dtype(dtype), where)
+    meta = {"format": "hf_llama", "config": dict(config), "dtypes": sorted({str(v.dtype) for v in tensors.values()}),
+            "has_tied_head_tensor": cfg.tie_embeddings and HF_LM.head in tensors}
+    return ImportedModel(params, cfg, meta)
+
+
+def import_hf_model(model: Any, *, dtype: Any = None) -> ImportedModel:
+    """Import a live ``transformers`` LlamaForCausalLM (its state_dict and config)."""
+    return import_hf_state_dict(model.state_dict(), model.config.to_dict(), dtype=dtype,
+                                where=f"{type(model).__name__} state dict")
+
+
+def _load_weights(directory: str) -> Dict[str, np.ndarray]:
+    st, st_index = os.path.join(directory, SAFETENSORS_NAME), os.path.join(directory, SAFETENSORS_INDEX)
+    pt, pt_index = os.path.join(directory, TORCH_NAME), os.path.join(directory, TORCH_INDEX)
+    if os.path.isfile(st):
+        return load_safetensors_file(st)
+    if os.path.isfile(st_index) or os.path.isfile(pt_index):
+        index_path = st_index if os.path.isfile(st_index) else pt_index
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CorruptCheckpointError(f"{index_path}: no 'weight_map' object")
+        out: Dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = os.path.join(directory, shard)
+            if not os.path.isfile(shard_path):
+                raise CorruptCheckpointError(f"{index_path} names shard {shard!r}, which is missing")
+            part = (load_safetensors_file(shard_path) if shard.endswith(".safetensors")
+                    else state_dict_to_numpy(load_torch_file(shard_path), shard_path))
+            out.update(part)
+        return out
+    if os.path.isfile(pt):
+        return state_dict_to_numpy(load_torch_file(pt), pt)
+    raise UnknownFormatError(
+        f"{directory}: no {SAFETENSORS_NAME}, {SAFETENSORS_INDEX}, {TORCH_NAME} or {TORCH_INDEX} next to config.json")
+
+
+def load_hf(path: str, *, dtype: Any = None) -> ImportedModel:
+    """Import a Hugging Face LLaMA checkpoint.
+
+    Args:
+      path: the checkpoint directory, or one weights file (``.safetensors`` /
+        ``.bin``) with ``config.json`` beside it.
+      dtype: convert every tensor to it; None keeps the stored dtypes.
+
+    Raises:
+      FileNotFoundError, UnknownFormatError, CorruptCheckpointError,
+      UnsafeCheckpointError, UnsupportedConfigError, CheckpointMismatchError.
+    """
+    if os.path.isdir(path):
+        directory = path
+        tensors = None
+    elif os.path.isfile(path):
+        directory = os.path.dirname(os.path.abspath(path))
+        tensors = (load_safetensors_file(path) if path.endswith(".safetensors")
+                   else state_dict_to_numpy(load_torch_file(path), path))
+    else:
+        raise FileNotFoundError(f"no such checkpoint file or directory: {path}")
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise UnknownFormatError(f"{path}: a Hugging Face checkpoint needs config.json in {directory}")
+    config = read_json(config_path)
+    if tensors is None:
+        tensors = _load_weights(directory)
+    imported = import_hf_state_dict(tensors, config, dtype=dtype, where=path)
+    imported.meta["source"] = path
+    return imported
+
+
+def hf_state_dict(params: Mapping[str, Any], cfg: LMConfig, *, tied_head: bool = False) -> Dict[str, Any]:
+    """eae_jax LM params -> HF LLaMA state dict of torch tensors (dtypes and bits kept).
+
+    Args:
+      tied_head: for a tied model also emit ``lm_head.weight`` (as
+        ``model.state_dict()`` does); ``save_pretrained`` files omit it.
+    """
+    flat = lm_tensors_from_params(params, cfg, HF_LM, tied_head=False)
+    out = {k: numpy_to_torch(v) for k, v in flat.items()}
+    if cfg.tie_embeddings and tied_head:
+        out[HF_LM.head] = out[HF_LM.embed]
+    return out
+
+
+def save_hf(directory: str, params: Mapping[str, Any], cfg: LMConfig, *, weights: str = "safetensors",
+            base_config: Optional[Mapping[str, Any]] = None) -> None:
+    """Write a Hugging Face checkpoint directory: config.json + weights.
+
+    Args:
+      weights: ``'safetensors'`` (model.safetensors) or ``'bin'``
+        (pytorch_model.bin, a torch pickle of the state dict).
+      base_config: config.json fields to keep (``meta['config']`` of an import).
+
+    Raises:
+      ValueError: unknown ``weights`` kind, or params that do not match ``cfg``.
+      UnsupportedConfigError: interleaved-RoPE model.
+    """
+    if weights not in ("safetensors", "bin"):
+        raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
+    config = hf_config_from_lm(cfg, base_config, dtype=np.asarray(params["embed"]).dtype)
+    sd = hf_state_dict(params, cfg)
+    os.makedirs(directory, exist_ok=True)
+    if weights == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(directory, SAFETENSORS_NAME),
+                  metadata={"format": "pt"})
+    else:
+        require_torch().save(sd, os.path.join(directory, TORCH_NAME))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def to_transformers(params: Mapping[str, Any], cfg: LMConfig, base_config: Optional[Mapping[str, Any]] = None) -> Any:
+    """Build a ``transformers.LlamaForCausalLM`` holding these params (needs transformers).
+
+    Parameters are assigned, so they keep their dtype and bits.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sd = hf_state_dict(params, cfg, tied_head=cfg.tie_embeddings)
+    config = LlamaConfig.from_dict(hf_config_from_lm(cfg, base_config))
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(sd, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()

@@ -1,0 +1,273 @@
+"""Name maps between flat torch state dicts and eae_jax param trees.
+
+Each supported format names the same nine tensors of a LLaMA block
+differently; a `BlockLayout` maps the torch names (relative to one layer)
+to the eae_jax path. Tensors are moved as they are: eae_jax stores linear
+weights in torch's ``(out, in)`` layout, so no transposes or reorderings
+happen anywhere in this package.
+
+The strict check (`check_tensors`) collects every missing key, unexpected
+key and shape mismatch and raises them together as one
+`CheckpointMismatchError`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from interop.errors import CheckpointMismatchError
+from interop.tensors import cast
+
+
+class BlockLayout(NamedTuple):
+    """How one block's tensors are named inside a torch checkpoint.
+
+    Attributes:
+      name: the format's name (for messages).
+      keys: torch name within one layer -> eae_jax path, in the order the
+        original module registers them (exports keep that order).
+    """
+
+    name: str
+    keys: Mapping[str, Tuple[str, str]]
+
+
+class LMLayout(NamedTuple):
+    """How a whole language model is named inside a torch checkpoint.
+
+    Attributes:
+      block: the per-layer names.
+      layer_prefix: format string of a layer's prefix, e.g. ``'model.layers.{i}.'``.
+      embed, final_norm, head: names of the token table, final norm gain and
+        output projection (None when the format has none of them).
+      ignore: regexes of non-parameter buffers older exporters wrote (RoPE
+        ``inv_freq`` ...); they are skipped, everything else unknown is an error.
+    """
+
+    block: BlockLayout
+    layer_prefix: str
+    embed: Optional[str] = None
+    final_norm: Optional[str] = None
+    head: Optional[str] = None
+    ignore: Tuple[str, ...] = ()
+
+
+SEED_BLOCK = BlockLayout("eae_runtime PreNormTransformerBlock", {
+    "attn_norm.weight": ("attn_norm", "scale"),
+    "attn.q_proj.weight": ("attn", "wq"),
+    "attn.k_proj.weight": ("attn", "wk"),
+    "attn.v_proj.weight": ("attn", "wv"),
+    "attn.out_proj.weight": ("attn", "wo"),
+    "ffn_norm.weight": ("ffn_norm", "scale"),
+    "ffn.gate_proj.weight": ("ffn", "w_gate"),
+    "ffn.down_proj.weight": ("ffn", "w_down"),
+    "ffn.up_proj.weight": ("ffn", "w_up"),
+})
+
+HF_BLOCK = BlockLayout("Hugging Face LlamaDecoderLayer", {
+    "self_attn.q_proj.weight": ("attn", "wq"),
+    "self_attn.k_proj.weight": ("attn", "wk"),
+    "self_attn.v_proj.weight": ("attn", "wv"),
+    "self_attn.o_proj.weight": ("attn", "wo"),
+    "mlp.gate_proj.weight": ("ffn", "w_gate"),
+    "mlp.up_proj.weight": ("ffn", "w_up"),
+    "mlp.down_proj.weight": ("ffn", "w_down"),
+    "input_layernorm.weight": ("attn_norm", "scale"),
+    "post_attention_layernorm.weight": ("ffn_norm", "scale"),
+})
+
+LLAMA2C_BLOCK = BlockLayout("llama2.c TransformerBlock", {
+    "attention.wq.weight": ("attn", "wq"),
+    "attention.wk.weight": ("attn", "wk"),
+    "attention.wv.weight": ("attn", "wv"),
+    "attention.wo.weight": ("attn", "wo"),
+    "feed_forward.w1.weight": ("ffn", "w_gate"),
+    "feed_forward.w2.weight": ("ffn", "w_down"),
+    "feed_forward.w3.weight": ("ffn", "w_up"),
+    "attention_norm.weight": ("attn_norm", "scale"),
+    "ffn_norm.weight": ("ffn_norm", "scale"),
+})
+
+SEED_STACK = LMLayout(SEED_BLOCK, "{i}.")
+HF_LM = LMLayout(
+    HF_BLOCK, "model.layers.{i}.", embed="model.embed_tokens.weight", final_norm="model.norm.weight",
+    head="lm_head.weight", ignore=(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$", r"^model\.rotary_emb\.inv_freq$"),
+)
+LLAMA2C_LM = LMLayout(
+    LLAMA2C_BLOCK, "layers.{i}.", embed="tok_embeddings.weight", final_norm="norm.weight", head="output.weight",
+    ignore=(r"^freqs_cos$", r"^freqs_sin$"),
+)
+
+
+def block_shapes(layout: BlockLayout, block_cfg) -> Dict[str, tuple]:
+    """torch name within a layer -> expected shape, from a `BlockConfig`."""
+    shapes = block_cfg.param_shapes()
+    return {k: tuple(shapes[a][b]) for k, (a, b) in layout.keys.items()}
+
+
+def expected_lm_shapes(layout: LMLayout, block_cfg, depth: int, vocab_size: Optional[int] = None,
+                       head: bool = True) -> Dict[str, tuple]:
+    """Every tensor name a checkpoint of this model must contain, with its shape.
+
+    Args:
+      layout: the format.
+      block_cfg: `BlockConfig` of every layer.
+      depth: number of layers.
+      vocab_size: needed when the layout has an embedding.
+      head: whether the output projection must be present (False for tied models).
+    """
+    out = {}
+    if layout.embed:
+        out[layout.embed] = (vocab_size, block_cfg.dim)
+    per = block_shapes(layout.block, block_cfg)
+    for i in range(depth):
+        prefix = layout.layer_prefix.format(i=i)
+        for k, s in per.items():
+            out[prefix + k] = s
+    if layout.final_norm:
+        out[layout.final_norm] = (block_cfg.dim,)
+    if layout.head and head:
+        out[layout.head] = (vocab_size, block_cfg.dim)
+    return out
+
+
+def check_tensors(found: Mapping[str, Any], expected: Mapping[str, tuple], where: str,
+                  ignore: Sequence[str] = (), optional: Iterable[str] = (), other: Iterable[str] = ()) -> None:
+    """Raise one `CheckpointMismatchError` listing every problem, or return.
+
+    Args:
+      found: name -> tensor/array (anything with ``.shape``).
+      expected: name -> shape the model needs.
+      where: what is being checked (file name, format) for the message.
+      ignore: regexes of names to skip silently (known non-parameter buffers).
+      optional: names that may be present (and are then shape-checked) but
+        need not be.
+      other: extra problems found by the caller, reported in the same error.
+    """
+    optional = set(optional)
+    patterns = [re.compile(p) for p in ignore]
+    missing = [k for k in expected if k not in found and k not in optional]
+    unexpected, shapes = [], []
+    for k, v in found.items():
+        if k in expected:
+            got = tuple(getattr(v, "shape", ()))
+            if got != tuple(expected[k]):
+                shapes.append((k, got, tuple(expected[k])))
+        elif not any(p.search(k) for p in patterns):
+            unexpected.append(k)
+    err = CheckpointMismatchError(where, missing, unexpected, shapes, other)
+    if not err.empty:
+        raise err
+
+
+def to_jax(a: np.ndarray, name: str) -> jax.Array:
+    """numpy -> JAX array keeping the dtype; refuses a silent float64 -> float32 drop.
+
+    Raises:
+      TypeError: float64 data while jax_enable_x64 is off (ask for
+        ``dtype='float32'`` to convert on purpose).
+    """
+    if a.dtype == np.float64 and not jax.config.jax_enable_x64:
+        raise TypeError(
+            f"{name} is float64 but JAX runs without x64, so it would be silently rounded to float32; "
+            "pass dtype='float32' to convert on purpose, or enable jax_enable_x64"
+        )
+    return jnp.asarray(a)
+
+
+def stack_blocks(tensors: Mapping[str, np.ndarray], layout: LMLayout, depth: int, dtype: Optional[np.dtype],
+                 where: str) -> dict:
+    """Gather the per-layer tensors into eae_jax's stacked block params (leading depth axis).
+
+    The tensors must already have passed `check_tensors`. With ``dtype`` None
+    every layer must store a leaf in the same dtype (a stacked leaf has one).
+
+    Raises:
+      CheckpointMismatchError: layers disagree on a tensor's dtype.
+    """
+    out: Dict[str, Dict[str, jax.Array]] = {}
+    problems = []
+    for key, (a, b) in layout.block.keys.items():
+        names = [layout.layer_prefix.format(i=i) + key for i in range(depth)]
+        arrays = [cast(tensors[n], dtype) for n in names]
+        dtypes = sorted({str(x.dtype) for x in arrays})
+        if len(dtypes) > 1:
+            problems.append(f"{layout.layer_prefix.format(i='N')}{key}: layers store different dtypes {dtypes}; "
+                            "pass dtype=... to convert them to one")
+            continue
+        out.setdefault(a, {})[b] = to_jax(np.stack(arrays), names[0])
+    if problems:
+        raise CheckpointMismatchError(where, other=problems)
+    return out
+
+
+def unstack_blocks(blocks: Mapping[str, Mapping[str, Any]], layout: LMLayout, depth: int) -> Dict[str, np.ndarray]:
+    """eae_jax stacked block params -> ``{torch name: numpy array}`` in layer order."""
+    out = {}
+    leaves = {k: np.asarray(blocks[a][b]) for k, (a, b) in layout.block.keys.items()}
+    for i in range(depth):
+        prefix = layout.layer_prefix.format(i=i)
+        for k in layout.block.keys:
+            out[prefix + k] = np.ascontiguousarray(leaves[k][i])
+    return out
+
+
+def lm_params_from_tensors(tensors: Mapping[str, np.ndarray], cfg, layout: LMLayout, dtype: Optional[np.dtype],
+                           where: str) -> dict:
+    """Strictly check a flat name -> numpy dict and build eae_jax LM params.
+
+    A tied model (``cfg.tie_embeddings``) may carry the head tensor too (HF
+    state dicts and llama2.c do); it must then equal the embedding bit for bit.
+
+    Raises:
+      CheckpointMismatchError: anything missing, unexpected, mis-shaped, or a
+        tied head that differs from the embedding.
+    """
+    expected = expected_lm_shapes(layout, cfg.block, cfg.depth, cfg.vocab_size, head=not cfg.tie_embeddings)
+    optional, other = [], []
+    if cfg.tie_embeddings and layout.head:
+        expected[layout.head] = (cfg.vocab_size, cfg.dim)
+        optional.append(layout.head)
+        head, emb = tensors.get(layout.head), tensors.get(layout.embed)
+        if (head is not None and emb is not None and head.shape == emb.shape
+                and not np.array_equal(head.view(np.uint8), emb.view(np.uint8))):
+            other.append(f"the model is tied but {layout.head} differs from {layout.embed}; load it untied "
+                         "(tie_embeddings=False) to keep both")
+    check_tensors(tensors, expected, where, ignore=layout.ignore, optional=optional, other=other)
+    params = {"embed": to_jax(cast(tensors[layout.embed], dtype), layout.embed),
+              "blocks": stack_blocks(tensors, layout, cfg.depth, dtype, where),
+              "final_norm": {"scale": to_jax(cast(tensors[layout.final_norm], dtype), layout.final_norm)}}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = to_jax(cast(tensors[layout.head], dtype), layout.head)
+    return params
+
+
+def lm_tensors_from_params(params: Mapping[str, Any], cfg, layout: LMLayout, tied_head: bool) -> Dict[str, np.ndarray]:
+    """eae_jax LM params -> ordered ``{torch name: numpy array}``.
+
+    Args:
+      params: LM params (checked with `eae_jax.models.check_lm_params`).
+      cfg: its `LMConfig`.
+      layout: the target format.
+      tied_head: for a tied model, also write the head name (holding the
+        embedding) as llama2.c and torch state dicts do.
+
+    Raises:
+      ValueError: params do not match ``cfg``.
+    """
+    from eae_jax.models import check_lm_params
+
+    check_lm_params(params, cfg)
+    out = {layout.embed: np.ascontiguousarray(np.asarray(params["embed"]))}
+    out.update(unstack_blocks(params["blocks"], layout, cfg.depth))
+    out[layout.final_norm] = np.ascontiguousarray(np.asarray(params["final_norm"]["scale"]))
+    if not cfg.tie_embeddings:
+        out[layout.head] = np.ascontiguousarray(np.asarray(params["lm_head"]))
+    elif tied_head:
+        out[layout.head] = out[layout.embed]
+    return out

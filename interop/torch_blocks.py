@@ -1,0 +1,295 @@
+"""`eae_runtime.contrib.PreNormTransformerBlock` stacks <-> eae_jax block params.
+
+Sources: an ``nn.ModuleList`` (or list / ``nn.Sequential``) of reference
+blocks, its ``state_dict()``, or a ``.pt`` file holding either. From modules
+the whole configuration is read off the modules themselves: width, heads,
+kv heads, FFN width, RMSNorm eps, RoPE table length and the RoPE base
+(recovered from the cos/sin buffers and verified against them). A bare state
+dict does not record head counts or eps, so it needs ``config=``.
+
+The seed block rotates interleaved RoPE pairs, so imports use
+``rope_style='interleaved'``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections import OrderedDict
+from typing import Any, Mapping, Optional, Sequence
+
+from eae_jax.blocks import BlockConfig, check_block_params
+from interop.errors import CheckpointMismatchError, UnknownFormatError, UnsupportedConfigError
+from interop.imported import ImportedBlocks
+from interop.layout import SEED_STACK, block_shapes, check_tensors, stack_blocks, unstack_blocks
+from interop.safe_load import load_torch_file, state_dict_to_numpy
+from interop.tensors import numpy_to_torch, require_torch, resolve_dtype, torch_to_numpy
+
+
+def _reference_block_class():
+    from eae_runtime.contrib import PreNormTransformerBlock
+
+    return PreNormTransformerBlock
+
+
+def _seed_rope_tables(head_dim: int, max_seq_len: int, theta: float):
+    """cos/sin tables exactly as the seed's RotaryPositionalEmbedding builds them (float32 torch)."""
+    from eae_runtime.contrib import RotaryPositionalEmbedding
+
+    rope = RotaryPositionalEmbedding(head_dim, max_seq_len, base=theta)
+    return rope.cos_cached, rope.sin_cached
+
+
+def infer_rope_theta(cos: Any, sin: Any, head_dim: int, where: str = "block") -> float:
+    """Recover the RoPE base from a reference block's cos/sin buffers and verify it.
+
+    The angle at position 1 of frequency 1 is ``theta ** (-2 / head_dim)``;
+    a base within 1e-3 relative of an integer is snapped to it. The
+    candidate is accepted only if rebuilding the tables with it reproduces the
+    buffers (to the buffers' own precision).
+
+    Args:
+      cos, sin: torch tensors ``(max_seq_len, head_dim // 2)``.
+      head_dim: the attention head width.
+      where: name used in messages.
+
+    Returns:
+      The base (10000.0 when ``head_dim == 2``: every base gives the same table then).
+
+    Raises:
+      UnsupportedConfigError: the tables are not plain RoPE tables of any base.
+    """
+    torch = require_torch()
+    seq = cos.shape[0]
+    if head_dim == 2:
+        candidates = [10000.0]
+    else:
+        if seq < 2:
+            raise UnsupportedConfigError(f"{where}: RoPE tables with {seq} row(s) do not determine the base")
+        c = cos.detach().double().cpu()
+        s = sin.detach().double().cpu()
+        freq1 = math.atan2(float(s[1, 1]), float(c[1, 1]))
+        if not freq1 > 0:
+            raise UnsupportedConfigError(f"{where}: RoPE tables are not increasing rotations (angle {freq1})")
+        raw = freq1 ** (-head_dim / 2.0)
+        candidates = [float(round(raw))] if abs(raw - round(raw)) <= 1e-3 * raw else []
+        # A low-precision table (bf16 buffers) pins theta only to a few digits; try round numbers too.
+        digits = 2
+        candidates += [float(f"{raw:.{digits}g}"), raw]
+    tol = 0.0 if cos.dtype == torch.float32 else float(torch.finfo(cos.dtype).eps)
+    for cand in candidates:
+        rc, rs = _seed_rope_tables(head_dim, seq, cand)
+        rc, rs = rc.to(cos.dtype), rs.to(sin.dtype)
+        err = max(float((rc.double() - cos.double().cpu()).abs().max()), float((rs.double() - sin.double().cpu()).abs().max()))
+        if err <= tol * 2 + 1e-7:
+            return cand
+    raise UnsupportedConfigError(
+        f"{where}: its RoPE cos/sin buffers are not the standard tables of any base near {candidates[-1]:.6g} "
+        "(rope scaling or edited buffers are not supported)")
+
+
+def block_config_from_modules(blocks: Sequence[Any], compute_dtype: Any = None) -> BlockConfig:
+    """Read a `BlockConfig` off a list of reference blocks (all must agree).
+
+    Raises:
+      UnknownFormatError: an item is not an eae_runtime PreNormTransformerBlock.
+      UnsupportedConfigError: RoPE disabled, different eps in the two norms,
+        or blocks that disagree with each other.
+    """
+    cls = _reference_block_class()
+    if len(blocks) == 0:
+        raise UnknownFormatError("an empty block list has nothing to import")
+    configs = []
+    for i, b in enumerate(blocks):
+        if not isinstance(b, cls):
+            raise UnknownFormatError(
+                f"block {i} is a {type(b).__module__}.{type(b).__name__}, not an "
+                "eae_runtime.contrib.PreNormTransformerBlock")
+        attn = b.attn
+        if attn.rope is None:
+            raise UnsupportedConfigError(f"block {i}: attention without RoPE (rope=False) is not supported by eae_jax blocks")
+        if b.attn_norm.eps != b.ffn_norm.eps:
+            raise UnsupportedConfigError(f"block {i}: attn_norm eps {b.attn_norm.eps} != ffn_norm eps {b.ffn_norm.eps}")
+        if attn.dropout:
+            warnings.warn(f"block {i} has attention dropout {attn.dropout}; eae_jax blocks have no dropout "
+                          "(it only acts in training mode)", stacklevel=3)
+        dim = b.attn_norm.weight.shape[0]
+        theta = infer_rope_theta(attn.rope.cos_cached, attn.rope.sin_cached, attn.head_dim, f"block {i}")
+        configs.append(dict(
+            dim=int(dim), num_heads=int(attn.num_heads), num_kv_heads=int(attn.num_kv_heads),
+            ffn_hidden_dim=int(b.ffn.gate_proj.out_features), norm_eps=float(b.attn_norm.eps), rope_theta=theta,
+            rope_style="interleaved", max_seq_len=int(attn.rope.cos_cached.shape[0]),
+        ))
+    diffs = [f"block {i}: {c} differs from block 0: {configs[0]}" for i, c in enumerate(configs) if c != configs[0]]
+    if diffs:
+        raise UnsupportedConfigError("blocks of one stack must share a configuration:\n  " + "\n  ".join(diffs))
+    return BlockConfig(**configs[0], compute_dtype=compute_dtype)
+
+
+def _as_block_list(source: Any) -> Optional[list]:
+    torch = require_torch()
+    if isinstance(source, (torch.nn.ModuleList, torch.nn.Sequential)):
+        return list(source)
+    if isinstance(source, (list, tuple)) and source and all(isinstance(m, torch.nn.Module) for m in source):
+        return list(source)
+    if isinstance(source, torch.nn.Module) and isinstance(source, _reference_block_class()):
+        return [source]
+    return None
+
+
+def _depth_from_keys(keys) -> int:
+    layers = set()
+    for k in keys:
+        head = k.split(".", 1)[0]
+        if head.isdigit():
+            layers.add(int(head))
+    if not layers:
+        raise UnknownFormatError(
+            "the state dict has no keys of the form '<layer>.attn.q_proj.weight'; it is not a "
+            "PreNormTransformerBlock stack state dict")
+    return max(layers) + 1
+
+
+def import_seed_blocks(source: Any, config: Optional[BlockConfig] = None, *, depth: Optional[int] = None,
+                       dtype: Any = None) -> ImportedBlocks:
+    """Import a PreNormTransformerBlock stack into stacked eae_jax block params.
+
+    Args:
+      source: ``nn.ModuleList`` / ``nn.Sequential`` / list of reference
+        blocks, a state dict of such a ModuleList (keys
+        ``'<i>.attn.q_proj.weight'`` ...), or a path to a ``.pt`` holding either
+        (read with the weights-only unpickler).
+      config: required for a state dict (it does not record heads, eps, RoPE);
+        with modules it is read from them, and a given config must agree.
+      depth: expected number of blocks for a state dict (default: highest
+        layer index + 1), so a missing last layer is caught too.
+      dtype: convert every tensor to this dtype; None keeps the stored dtypes.
+
+    Returns:
+      `ImportedBlocks` (params, config, depth, meta).
+
+    Raises:
+      CheckpointMismatchError: missing / unexpected / mis-shaped tensors, all listed.
+      UnknownFormatError, UnsupportedConfigError, UnsafeCheckpointError,
+      CorruptCheckpointError: see the messages.
+      ValueError: no config for a state dict, or a config contradicting the modules.
+    """
+    where = "PreNormTransformerBlock stack"
+    meta = {"format": "eae_runtime_blocks"}
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        where = path
+        meta["source"] = path
+        source = load_torch_file(path, allow_modules=True)
+    blocks = _as_block_list(source)
+    want_dtype = resolve_dtype(dtype)
+    if blocks is not None:
+        found = block_config_from_modules(blocks, compute_dtype=None)
+        if config is not None and _config_key(config) != _config_key(found):
+            raise ValueError(f"{where}: the given config {config} contradicts the modules, which say {found}")
+        config = config or found
+        depth_found = len(blocks)
+        if depth is not None and depth != depth_found:
+            raise CheckpointMismatchError(where, other=[f"expected {depth} blocks, the stack has {depth_found}"])
+        depth = depth_found
+        tensors = {}
+        for i, b in enumerate(blocks):
+            for k, v in b.state_dict().items():
+                tensors[f"{i}.{k}"] = torch_to_numpy(v)
+    elif isinstance(source, Mapping):
+        tensors = state_dict_to_numpy(dict(source), where)
+        if config is None:
+            raise ValueError(
+                f"{where}: a bare state dict does not record num_heads, num_kv_heads, norm eps or the RoPE base; "
+                "pass config=BlockConfig(...) (or import the nn.ModuleList itself)")
+        depth = depth if depth is not None else _depth_from_keys(tensors)
+    else:
+        raise UnknownFormatError(
+            f"{where}: cannot import a {type(source).__name__}; expected an nn.ModuleList of "
+            "PreNormTransformerBlock, its state_dict(), or a .pt path")
+    expected = {}
+    per = block_shapes(SEED_STACK.block, config)
+    for i in range(depth):
+        expected.update({f"{i}.{k}": s for k, s in per.items()})
+    check_tensors(tensors, expected, where, ignore=SEED_STACK.ignore)
+    params = stack_blocks(tensors, SEED_STACK, depth, want_dtype, where)
+    check_block_params(params, config, leading=(depth,))
+    meta["dtypes"] = sorted({str(v.dtype) for v in tensors.values()})
+    return ImportedBlocks(params, config, depth, meta)
+
+
+def _config_key(cfg: BlockConfig) -> tuple:
+    return (cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_hidden_dim, cfg.norm_eps, cfg.rope_theta,
+            cfg.rope_style, cfg.max_seq_len)
+
+
+def seed_state_dict(params: Mapping[str, Any], config: BlockConfig) -> "OrderedDict[str, Any]":
+    """Stacked eae_jax block params -> a ModuleList state dict (``'<i>.attn.q_proj.weight'`` ...).
+
+    Every tensor keeps its dtype and bits.
+
+    Raises:
+      ValueError: params do not match ``config``.
+    """
+    depth = _stack_depth(params)
+    check_block_params(params, config, leading=(depth,))
+    flat = unstack_blocks(params, SEED_STACK, depth)
+    return OrderedDict((k, numpy_to_torch(v)) for k, v in flat.items())
+
+
+def _stack_depth(params) -> int:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(params)
+    if not leaves or getattr(leaves[0], "ndim", 0) < 1:
+        raise ValueError("expected stacked block params with a leading depth axis")
+    return int(leaves[0].shape[0])
+
+
+def export_seed_blocks(params: Mapping[str, Any], config: BlockConfig) -> Any:
+    """Build an ``nn.ModuleList`` of PreNormTransformerBlock holding these params.
+
+    The modules get ``config``'s eps, max_seq_len and RoPE base (the RoPE
+    buffers are rebuilt with the seed's own class when the base is not
+    10000). Parameters are assigned, not copied into float32 modules, so
+    their dtypes and bits are kept.
+
+    Raises:
+      UnsupportedConfigError: ``rope_style='half'`` (the seed block only
+        implements interleaved RoPE).
+      ValueError: params do not match ``config``.
+    """
+    torch = require_torch()
+    if config.rope_style != "interleaved":
+        raise UnsupportedConfigError(
+            "PreNormTransformerBlock rotates interleaved RoPE pairs; params of a rope_style='half' model "
+            "cannot be exported to it unchanged")
+    cls = _reference_block_class()
+    sd = seed_state_dict(params, config)
+    depth = _stack_depth(params)
+    blocks = torch.nn.ModuleList()
+    for i in range(depth):
+        b = cls(config.dim, config.num_heads, num_kv_heads=config.num_kv_heads, max_seq_len=config.max_seq_len,
+                ffn_hidden_dim=config.ffn_hidden_dim, norm_eps=config.norm_eps)
+        if config.rope_theta != 10000.0:
+            from eae_runtime.contrib import RotaryPositionalEmbedding
+
+            b.attn.rope = RotaryPositionalEmbedding(config.head_dim, config.max_seq_len, base=config.rope_theta)
+        prefix = f"{i}."
+        b.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, strict=True, assign=True)
+        blocks.append(b.eval())
+    return blocks
+
+
+def save_seed_blocks(path: str, params: Mapping[str, Any], config: BlockConfig) -> None:
+    """Write the stack as ``torch.save(nn.ModuleList)``: loadable by `import_seed_blocks`
+    (weights-only, with the reference classes allowlisted) and by plain torch."""
+    torch = require_torch()
+    torch.save(export_seed_blocks(params, config), path)
+
+
+def block_param_name(i: int, torch_key: str) -> str:
+    """Parity name of a reference block parameter: ``blocks.<i>.<group>.<leaf>``."""
+    a, b = SEED_STACK.block.keys[torch_key]
+    return f"blocks.{i}.{a}.{b}"

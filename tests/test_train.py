@@ -96,6 +96,23 @@ def test_checkpoint_is_atomic_and_errors_name_the_problem(tmp_path):
                                                                                     "ckpt_00000010.npz"]
 
 
+def test_cli_train_subcommand(tmp_path, capsys):
+    from eae_jax.cli import main
+
+    code = main(["train", "--steps", "3", "--out", str(tmp_path), "--log-every", "1", "--batch", "4",
+                 "--passes", "int8,clip=0.001", "--boundary-dtype", "bf16"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and np.isfinite(summary["final_loss"])
+    records = [json.loads(l) for l in open(tmp_path / "log.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # the int8 + clip chain really acted on every float boundary's adjoint
+    before, after = np.array(records[-1]["adjoint_norm"]), np.array(records[-1]["adjoint_norm_after_passes"])
+    assert before[-1] > 0.01  # the loss gradient at the logits, before the passes
+    np.testing.assert_allclose(after[-1], 0.001, rtol=1e-3)  # clipped
+    assert np.all(after[1:] <= 0.001 * (1 + 1e-3)) and before[0] == 0.0  # token ids take no adjoint
+
+
 def test_bad_config_errors():
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         TrainConfig(preset="huge")
@@ -103,6 +120,11 @@ def test_bad_config_errors():
         TrainConfig(batch=16, microbatches=3)
     with pytest.raises(ValueError, match="unknown dtype 'fp7'; valid names are fp32, fp16, bf16, fp8_e4m3, fp8_e5m2"):
         TrainConfig(dtype="fp7")
+    with pytest.raises(ValueError, match="does not bind fp8 seams yet"):
+        TrainConfig(dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="unknown pass 'int4'"):
+        from eae_jax.train import parse_passes
+        parse_passes("int8,int4")
 
 
 DP_SCRIPT = r"""

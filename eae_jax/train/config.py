@@ -102,6 +102,12 @@ class TrainConfig:
         if self.microbatches < 1 or self.batch % self.microbatches:
             raise ValueError(f"batch {self.batch} must split into microbatches={self.microbatches} equal parts")
         self.policy_obj = DTypePolicy.from_name(self.dtype)  # validates the name
+        if self.policy_obj.fp8_format is not None:
+            raise ValueError(
+                f"--dtype {self.dtype}: the training command does not bind fp8 seams yet (they need calibration "
+                "samples of the model's own activations); use eae_jax.fp8.bind_block as in "
+                "experiments/bench_fp8.py --train, or --dtype bf16"
+            )
 
     def model(self) -> LMConfig:
         """The LMConfig of this run's preset and dtype policy."""

@@ -8,9 +8,14 @@ scale histories out the same way). The caller differentiates with respect
 to the carry too and calls `Reconstructed.update(carry, carry_grad)`.
 
 Cotangents must be floating, so every leaf is stored encoded: floating leaves
-as they are; 32-bit integers bit-cast to float32; narrower integers and bools
-widened to int32 first; typed PRNG keys as their key data. The codec is
-static (part of the pytree structure), so decoding is exact and free.
+as they are; integers, bools and typed PRNG keys (their key data) as two
+float32 values per 32-bit word, its high and low 16 bits. Those are small
+whole numbers, exact in float32 and far from the subnormal range, so they
+survive what JAX and XLA may do to a cotangent on its way out (adding a zero,
+flushing subnormals, averaging identical replicas); a plain bit-cast would
+not (``bitcast(int32 5)`` is a subnormal that XLA flushes to 0 in
+arithmetic). Decoding rounds, so it is exact. The codec is static (part of
+the pytree structure).
 
 ``calls`` is a float32 token: every backward rule that runs writes 1.0 into
 its cotangent. A stack called twice with the same carry sums to 2.0, which
@@ -48,24 +53,39 @@ def _codec_for(leaf: Any) -> LeafCodec:
     raise TypeError(f"cannot carry a state leaf of dtype {dtype}")
 
 
+def _words_to_halves(words: jax.Array) -> jax.Array:
+    """uint32 ``(...)`` -> float32 ``(2, ...)``: high and low 16 bits as whole numbers."""
+    hi = (words >> 16).astype(jnp.float32)
+    lo = (words & 0xFFFF).astype(jnp.float32)
+    return jnp.stack([hi, lo])
+
+
+def _halves_to_words(halves: jax.Array) -> jax.Array:
+    """Inverse of `_words_to_halves` (rounding first, so small drift is undone)."""
+    hi = jnp.clip(jnp.round(halves[0]), 0, 0xFFFF).astype(jnp.uint32)
+    lo = jnp.clip(jnp.round(halves[1]), 0, 0xFFFF).astype(jnp.uint32)
+    return (hi << 16) | lo
+
+
 def _encode_leaf(leaf: jax.Array, codec: LeafCodec) -> jax.Array:
     if codec.kind == "float":
         return leaf
     if codec.kind == "key":
-        return jax.lax.bitcast_convert_type(jax.random.key_data(leaf), jnp.float32)
-    if codec.kind == "widen":
-        leaf = leaf.astype(jnp.int32)
-    return jax.lax.bitcast_convert_type(leaf, jnp.float32)
+        words = jax.random.key_data(leaf)
+    else:
+        words = jax.lax.bitcast_convert_type(leaf.astype(jnp.int32) if codec.kind == "widen" else leaf, jnp.uint32)
+    return _words_to_halves(words.astype(jnp.uint32))
 
 
 def _decode_leaf(leaf: jax.Array, codec: LeafCodec) -> jax.Array:
     if codec.kind == "float":
         return leaf
+    words = _halves_to_words(leaf)
     if codec.kind == "key":
-        return jax.random.wrap_key_data(jax.lax.bitcast_convert_type(leaf, jnp.uint32), impl=codec.dtype)
+        return jax.random.wrap_key_data(words, impl=codec.dtype)
     if codec.kind == "widen":
-        return jax.lax.bitcast_convert_type(leaf, jnp.int32).astype(codec.dtype)
-    return jax.lax.bitcast_convert_type(leaf, jnp.dtype(codec.dtype))
+        return jax.lax.bitcast_convert_type(words, jnp.int32).astype(codec.dtype)
+    return jax.lax.bitcast_convert_type(words, jnp.dtype(codec.dtype))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -97,9 +117,15 @@ class AdjointCarry:
 
 def encode(tree: Any) -> AdjointCarry:
     """Encode a pytree of arrays (ints, floats, bools, typed keys) into a carry."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    leaves = [jnp.asarray(x) for x in leaves]
-    codecs = [_codec_for(x) for x in leaves]
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves, codecs = [], []
+    for path, x in with_path:
+        try:
+            x = jnp.asarray(x)
+            codecs.append(_codec_for(x))
+        except TypeError as err:
+            raise TypeError(f"cannot carry the state leaf {jax.tree_util.keystr(path)}: {err}") from err
+        leaves.append(x)
     return AdjointCarry([_encode_leaf(x, c) for x, c in zip(leaves, codecs)], jnp.zeros((), jnp.float32), treedef, codecs)
 
 

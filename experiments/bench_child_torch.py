@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
 import bench_common as bc  # noqa: E402
-from bench_child_jax import _emit, _log, _wait_for_go  # noqa: E402
+from bench_child_jax import _emit, _wait_for_go  # noqa: E402
 
 
 def _module_param(block, torch_path: str):

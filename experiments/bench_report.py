@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import math
 import os
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import numpy as np
 

@@ -57,7 +57,7 @@ def test_bus_recording_and_errors():
 
 
 def test_seed_event_names():
-    eae_runtime = pytest.importorskip("eae_runtime")
+    pytest.importorskip("eae_runtime")
     from eae_runtime.events import EventType as SeedEventType
 
     seed_names = {v for k, v in vars(SeedEventType).items() if k.isupper()}

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eae_jax.models.llama import split_params
 from eae_jax.train import CheckpointError, TrainConfig, init_state, make_optimizer, make_train_step, train
 from eae_jax.train import checkpoint as ckpt
 from eae_jax.models.llama import lm_stack

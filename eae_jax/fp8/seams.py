@@ -49,7 +49,7 @@ from eae_jax.blocks.linear import linear
 from eae_jax.blocks.swiglu import swiglu
 from eae_jax.fp8 import ledger as ledger_lib
 from eae_jax.fp8.guards import Contract, GuardRefused, trace_check, value_stats
-from eae_jax.fp8.quant import E4M3, Fp8Weight, fp8_linear, fp8_max, quantize_weight, row_amax, scale_from_amax
+from eae_jax.fp8.quant import E4M3, fp8_linear, fp8_max, quantize_weight, row_amax, scale_from_amax
 
 SCALINGS = ("static", "delayed", "row")
 KINDS = ("swiglu", "dense")

@@ -64,10 +64,17 @@ class EmptyState(NamedTuple):
 
 
 def stateless(fn: Callable[[jax.Array, PassContext], jax.Array], name: str) -> AdjointTransformation:
-    """Wrap ``fn(adjoint, ctx) -> adjoint`` as a pass with no state."""
+    """Wrap ``fn(adjoint, ctx) -> adjoint`` as a pass with no state.
+
+    ``init`` checks that it is given a floating adjoint spec (TypeError
+    naming the pass otherwise).
+    """
 
     def init(spec, key):
-        del spec, key
+        del key
+        from eae_jax.passes._util import require_float_spec
+
+        require_float_spec(name, spec)
         return EmptyState()
 
     def update(adjoint, state, ctx):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from eae_jax.dtypes import dtype_name, parse_compute_dtype
 from eae_jax.passes._util import divide_exact, require_float_spec, round_trip
-from eae_jax.passes.base import AdjointTransformation, EmptyState
+from eae_jax.passes.base import AdjointTransformation, stateless
 
 
 def cast_roundtrip(dtype: Any) -> AdjointTransformation:
@@ -36,16 +36,7 @@ def cast_roundtrip(dtype: Any) -> AdjointTransformation:
     target = parse_compute_dtype(dtype)
     name = f"cast_roundtrip({dtype_name(target)})"
 
-    def init(spec, key):
-        del key
-        require_float_spec(name, spec)
-        return EmptyState()
-
-    def update(adjoint, state, ctx):
-        del ctx
-        return round_trip(adjoint, target, adjoint.dtype), state
-
-    return AdjointTransformation(init, update, name)
+    return stateless(lambda adjoint, ctx: round_trip(adjoint, target, adjoint.dtype), name)
 
 
 class Int8State(NamedTuple):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from eae_jax.passes._util import require_float_spec, require_number
-from eae_jax.passes.base import AdjointTransformation, EmptyState
+from eae_jax.passes.base import AdjointTransformation, stateless
 
 
 def decay(strength: float) -> AdjointTransformation:
@@ -34,18 +34,13 @@ def decay(strength: float) -> AdjointTransformation:
     name = f"decay({strength:g})"
     factor = 1.0 - strength
 
-    def init(spec, key):
-        del key
-        require_float_spec(name, spec)
-        return EmptyState()
-
-    def update(adjoint, state, ctx):
+    def apply(adjoint, ctx):
         del ctx
         if strength == 0.0:
-            return adjoint, state
-        return adjoint * jnp.asarray(factor, adjoint.dtype), state
+            return adjoint
+        return adjoint * jnp.asarray(factor, adjoint.dtype)
 
-    return AdjointTransformation(init, update, name)
+    return stateless(apply, name)
 
 
 class NoiseState(NamedTuple):

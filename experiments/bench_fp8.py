@@ -266,6 +266,7 @@ def ffn_section(args) -> List[Dict[str, Any]]:
             r.update(extra or {})
             rows.append(r)
 
+        log(f"  bf16: fwd {bf_fwd['median_ms']:.3f} ms, fwd+bwd {bf_fb['median_ms']:.3f} ms")
         rows[-1]["fwd_speedup"] = rows[-1]["fb_speedup"] = 1.0
         rows[-1]["fwd_tflops"] = flops / bf_fwd["median_ms"] / 1e9
         rows[-1]["fb_tflops"] = 3 * flops / bf_fb["median_ms"] / 1e9
@@ -295,7 +296,8 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                            args.warmup, args.iters)
                 record(name + " frozen-weights (inference)", fz, None, fz["out"][0],
                        extra={"fp8_calls_fwd": float(fz["out"][1].fp8_calls)})
-            log(f"  {name}: fwd {fwd['median_ms']:.3f} ms, fwd+bwd {fb['median_ms']:.3f} ms")
+            log(f"  {name}: fwd {fwd['median_ms']:.3f} ms ({bf_fwd['median_ms'] / fwd['median_ms']:.2f}x bf16), "
+                f"fwd+bwd {fb['median_ms']:.3f} ms ({bf_fb['median_ms'] / fb['median_ms']:.2f}x)")
 
         # --- flax, same inputs, same run
         ops, problem = _flax_ops()

@@ -112,6 +112,19 @@ def test_cli_train_subcommand(tmp_path, capsys):
     assert np.all(after[1:] <= 0.001 * (1 + 1e-3)) and before[0] == 0.0  # token ids take no adjoint
 
 
+def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path):
+    base = dict(preset="tiny", steps=12, log_every=12, checkpoint_every=100, warmup=3)
+    bf16 = train(TrainConfig(dtype="bf16", out=str(tmp_path / "bf16"), **base), log_fn=quiet)
+    f8 = train(TrainConfig(dtype="fp8_e4m3", out=str(tmp_path / "fp8"), **base), log_fn=quiet)
+    depth = TrainConfig(**base).model().depth
+    # qkv, o and ffn seams of every layer, once per step: the backward's recomputation is not counted
+    assert f8["fp8"]["calls"] == 12 * depth * 3
+    assert f8["fp8"]["fp8_calls"] + f8["fp8"]["fallbacks"] == f8["fp8"]["calls"]
+    assert f8["fp8"]["gate_worst_cos"] >= 0.999
+    assert f8["final_loss"] != bf16["final_loss"]  # the fp8 path really ran
+    assert abs(f8["final_loss"] - bf16["final_loss"]) / bf16["final_loss"] < 0.05
+
+
 def test_bad_config_errors():
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         TrainConfig(preset="huge")
@@ -119,8 +132,10 @@ def test_bad_config_errors():
         TrainConfig(batch=16, microbatches=3)
     with pytest.raises(ValueError, match="unknown dtype 'fp7'; valid names are fp32, fp16, bf16, fp8_e4m3, fp8_e5m2"):
         TrainConfig(dtype="fp7")
-    with pytest.raises(ValueError, match="does not bind fp8 seams yet"):
-        TrainConfig(dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="fp8 seams compute their forward in float8_e4m3fn"):
+        TrainConfig(dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match="unknown fp8_scaling 'dynamic'"):
+        TrainConfig(dtype="fp8_e4m3", fp8_scaling="dynamic")
     with pytest.raises(ValueError, match="unknown pass 'int4'"):
         from eae_jax.train import parse_passes
         parse_passes("int8,int4")

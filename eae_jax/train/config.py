@@ -90,6 +90,7 @@ class TrainConfig:
     resume: bool = True
     log_every: int = 10
     devices: Optional[int] = None
+    fp8_scaling: str = "delayed"
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -102,12 +103,17 @@ class TrainConfig:
         if self.microbatches < 1 or self.batch % self.microbatches:
             raise ValueError(f"batch {self.batch} must split into microbatches={self.microbatches} equal parts")
         self.policy_obj = DTypePolicy.from_name(self.dtype)  # validates the name
-        if self.policy_obj.fp8_format is not None:
-            raise ValueError(
-                f"--dtype {self.dtype}: the training command does not bind fp8 seams yet (they need calibration "
-                "samples of the model's own activations); use eae_jax.fp8.bind_block as in "
-                "experiments/bench_fp8.py --train, or --dtype bf16"
-            )
+        if self.fp8_scaling not in ("static", "delayed", "row"):
+            raise ValueError(f"unknown fp8_scaling {self.fp8_scaling!r}; valid: static, delayed, row")
+        if self.fp8:
+            from eae_jax.fp8 import policy_seams
+
+            policy_seams(self.policy_obj)  # raises for formats the seams cannot compute in
+
+    @property
+    def fp8(self) -> bool:
+        """Whether this run binds fp8 seams (``--dtype fp8_e4m3`` / ``fp8_e5m2``)."""
+        return self.policy_obj.fp8_format is not None
 
     def model(self) -> LMConfig:
         """The LMConfig of this run's preset and dtype policy."""

@@ -28,13 +28,41 @@ from eae_jax.train.data import TokenFile, make_batches
 
 
 class TrainState(NamedTuple):
-    """Everything that changes from step to step (and is checkpointed)."""
+    """Everything that changes from step to step (and is checkpointed).
+
+    ``fp8`` holds the fp8 seams' state (scales and fallback ledgers, one per
+    layer) for fp8 runs, else None.
+    """
 
     step: jax.Array
     params: Any
     opt_state: Any
     carry: Any
     key: jax.Array
+    fp8: Any = None
+
+
+def segment_params(params: dict, fp8_state: Any, model) -> list:
+    """The LM stack's segment params, with the fp8 seam state beside the blocks when there is one."""
+    embed_p, blocks, head_p = split_params(params, model)
+    return [embed_p, blocks if fp8_state is None else {"params": blocks, "fp8": fp8_state}, head_p]
+
+
+def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array):
+    """Calibrate and gate fp8 seams (qkv, o, ffn of every layer) on one batch.
+
+    The calibration batch comes from the run's data stream (``key``), embedded
+    by the initial params. Raises `eae_jax.fp8.GateRefused` when a seam misses
+    the parity gate.
+    """
+    from eae_jax import fp8
+    from eae_jax.models.llama import embed
+    from eae_jax.train.data import synthetic_batch
+
+    tokens = synthetic_batch(key, cfg.batch // cfg.microbatches, cfg.seq_len, model.vocab_size)[:, :-1]
+    x0 = embed(params["embed"], tokens, model.block.compute_dtype)
+    seams = fp8.policy_seams(cfg.policy_obj, config=fp8.SeamConfig(act_scaling=cfg.fp8_scaling))
+    return fp8.bind_block(model.block, params["blocks"], [x0], seams)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -45,29 +73,33 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(*parts, optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
 
-def make_train_step(cfg: TrainConfig, stack, tx, model):
+def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
     """Build ``step(state, tokens) -> (state, metrics)`` (not yet jitted).
 
     ``tokens`` is int32 ``(microbatches, micro_batch, seq_len + 1)``.
+    ``bound_fp8`` (from `bind_fp8`) folds the fp8 seams' ledgers and scales
+    after every microbatch.
     """
     accum_dtype = parse_compute_dtype(cfg.grad_accum_dtype)
 
-    def loss_fn(params, carry, tokens):
-        logits = stack(split_params(params, model), tokens[:, :-1], carry)
+    def loss_fn(params, fp8_state, carry, tokens):
+        logits = stack(segment_params(params, fp8_state, model), tokens[:, :-1], carry)
         return cross_entropy(logits, tokens[:, 1:])
 
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1))
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
 
     def step(state: TrainState, tokens: jax.Array):
         def micro(acc, mb_tokens):
-            grads_acc, carry = acc
-            loss, (grads, g_carry) = grad_fn(state.params, carry, mb_tokens)
+            grads_acc, fp8_state, carry = acc
+            loss, (grads, g_fp8, g_carry) = grad_fn(state.params, fp8_state, carry, mb_tokens)
             carry, stats = stack.update(carry, g_carry, strict=False)
+            if bound_fp8 is not None:
+                fp8_state = bound_fp8.fold(fp8_state, g_fp8)
             grads_acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(accum_dtype), grads_acc, grads)
-            return (grads_acc, carry), (loss, stats)
+            return (grads_acc, fp8_state, carry), (loss, stats)
 
         zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), state.params)
-        (grads, carry), (losses, stats) = jax.lax.scan(micro, (zeros, state.carry), tokens)
+        (grads, fp8_state, carry), (losses, stats) = jax.lax.scan(micro, (zeros, state.fp8, state.carry), tokens)
         n = tokens.shape[0]
         grads = jax.tree_util.tree_map(lambda g, p: (g.astype(jnp.float32) / n).astype(p.dtype), grads, state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -80,7 +112,10 @@ def make_train_step(cfg: TrainConfig, stack, tx, model):
             "adjoint_norm_after_passes": stats["adjoint_norm_after_passes"][-1],
             "carry_calls": jnp.min(stats["calls"]),
         }
-        new_state = TrainState(state.step + 1, params, opt_state, carry, state.key)
+        if bound_fp8 is not None:
+            ledger = fp8_state  # per seam name: stacked over layers
+            metrics["fp8_fallbacks"] = sum(jnp.sum(s.ledger.calls - s.ledger.fp8_calls) for s in ledger.values())
+        new_state = TrainState(state.step + 1, params, opt_state, carry, state.key, fp8_state)
         return new_state, metrics
 
     return step
@@ -94,14 +129,30 @@ def _mesh(devices: Optional[int]):
     return jax.sharding.Mesh(np.array(available[:count]), ("data",))
 
 
-def init_state(cfg: TrainConfig, model, stack, tx) -> TrainState:
-    """Fresh params, optimizer state and adjoint carry from ``cfg.seed``."""
-    key = jax.random.key(cfg.seed)
-    k_params, k_carry, k_data = jax.random.split(key, 3)
-    params = init_lm(k_params, model)
+def _keys(cfg: TrainConfig):
+    """(params, carry, data) keys of a run, all from ``cfg.seed``."""
+    return jax.random.split(jax.random.key(cfg.seed), 3)
+
+
+def init_state(cfg: TrainConfig, model, stack, tx, bound_fp8=None, params=None) -> TrainState:
+    """Fresh params (unless given), optimizer state, adjoint carry and fp8 state from ``cfg.seed``."""
+    k_params, k_carry, k_data = _keys(cfg)
+    params = init_lm(k_params, model) if params is None else params
+    fp8_state = None if bound_fp8 is None else bound_fp8.state
     example = jnp.zeros((cfg.batch // cfg.microbatches, cfg.seq_len), jnp.int32)
-    carry = stack.init(split_params(params, model), example, k_carry)
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), carry, k_data)
+    carry = stack.init(segment_params(params, fp8_state, model), example, k_carry)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), carry, k_data, fp8_state)
+
+
+def build(cfg: TrainConfig):
+    """Model, stack, optimizer, bound fp8 seams (or None) and the initial state of a run."""
+    model = cfg.model()
+    tx = make_optimizer(cfg)
+    params = init_lm(_keys(cfg)[0], model)
+    bound = bind_fp8(cfg, model, params, jax.random.fold_in(_keys(cfg)[2], 2**31 - 1)) if cfg.fp8 else None
+    stack = lm_stack(model, block_fn=None if bound is None else bound.block_fn(), passes=parse_passes(cfg.passes),
+                     boundary_dtype=cfg.boundary_dtype, policy=cfg.policy, offload=cfg.offload)
+    return model, stack, tx, bound, init_state(cfg, model, stack, tx, bound, params)
 
 
 class JsonlLog:
@@ -126,11 +177,7 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     under ``<out>/checkpoints`` (atomic; the newest is resumed when
     ``cfg.resume``).
     """
-    model = cfg.model()
-    stack = lm_stack(model, passes=parse_passes(cfg.passes), boundary_dtype=cfg.boundary_dtype,
-                     policy=cfg.policy, offload=cfg.offload)
-    tx = make_optimizer(cfg)
-    state = init_state(cfg, model, stack, tx)
+    model, stack, tx, bound_fp8, state = build(cfg)
     ckpt_dir = os.path.join(cfg.out, "checkpoints")
     resumed_from = None
     if cfg.resume and ckpt.latest(ckpt_dir):
@@ -146,7 +193,7 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     if micro_batch % mesh.size:
         raise ValueError(f"micro-batch {micro_batch} does not split over {mesh.size} devices")
     state = jax.device_put(state, replicated)
-    step_fn = jax.jit(make_train_step(cfg, stack, tx, model), donate_argnums=(0,))
+    step_fn = jax.jit(make_train_step(cfg, stack, tx, model, bound_fp8), donate_argnums=(0,))
 
     log = JsonlLog(os.path.join(cfg.out, "log.jsonl"))
     first_loss = last_loss = None
@@ -176,5 +223,12 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
         if done % cfg.checkpoint_every == 0 or done == last_step:
             path = ckpt.save(ckpt_dir, done, jax.device_get(state), metadata={"config": cfg.to_dict()}, keep=cfg.keep)
             log_fn(f"checkpoint {path}")
-    return {"first_loss": first_loss, "final_loss": last_loss, "steps": last_step, "resumed_from": resumed_from,
-            "out": cfg.out}
+    summary = {"first_loss": first_loss, "final_loss": last_loss, "steps": last_step, "resumed_from": resumed_from,
+               "out": cfg.out}
+    if bound_fp8 is not None:
+        report = bound_fp8.report(jax.device_get(state.fp8))
+        summary["fp8"] = {"calls": sum(r["calls"] for r in report), "fp8_calls": sum(r["fp8_calls"] for r in report),
+                          "fallbacks": sum(r["fallbacks"] for r in report),
+                          "detached": [r["seam"] for r in report if r["detached"]],
+                          "gate_worst_cos": min(c["worst_cos"] for c in bound_fp8.certification.values())}
+    return summary

@@ -456,8 +456,9 @@ class Reconstructed:
             embedding block: no adjoint flows into them).
           carry: from `init`; without one, a fresh carry is made on the fly
             and its updates are dropped (fine for stateless passes).
-          side: optional non-differentiated input given to every block as a
-            third argument (masks, positions, tables).
+          side: optional input given to every block as a third argument
+            (masks, positions, tables). It is a constant to the backward,
+            like ``lax.stop_gradient(side)``: its cotangent is zero.
 
         Raises:
           ValueError / TypeError: mismatched params, shapes or dtypes, naming

@@ -237,3 +237,35 @@ def test_temporary_memory_grows_by_one_boundary_per_block():
     plain_slope = (temps[("plain", 8)] - temps[("plain", 2)]) / 6
     assert plain_slope >= 4 * boundary_bytes, (plain_slope, boundary_bytes)
     assert eae_slope <= 1.5 * boundary_bytes, (eae_slope, boundary_bytes, temps)
+
+
+def test_side_input_reaches_every_block_and_is_not_differentiated():
+    # A per-position gate (like a mask or a table) given to every block as a third argument.
+    def block(w, h, gate):
+        return h + jnp.tanh(h @ w) * gate[:, None]
+
+    params = jax.random.normal(jax.random.key(0), (4, 8, 8)) * 0.5
+    x = jax.random.normal(jax.random.key(1), (6, 8))
+    gate = jnp.linspace(0.0, 1.0, 6)
+    stack = eae_jax.reconstruct(block)
+
+    def plain(p, x, gate):
+        return plain_stack(lambda w, h: block(w, h, gate), p, x)
+
+    got = jax.jit(jax.grad(lambda p, x: loss_of(stack(p, x, side=gate)), argnums=(0, 1)))(params, x)
+    want = jax.grad(lambda p, x: loss_of(plain(p, x, gate)), argnums=(0, 1))(params, x)
+    assert max_tree_rel_err(got, want) <= 1e-6
+    # the side input gets a zero cotangent, not a wrong one
+    g_side = jax.grad(lambda s: loss_of(stack(params, x, side=s)))(gate)
+    np.testing.assert_array_equal(np.asarray(g_side), np.zeros(6))
+
+
+def test_vmap_over_a_batch_of_inputs():
+    cfg = BlockConfig(dim=16, num_heads=2, ffn_hidden_dim=32)
+    block = decoder_block(cfg)
+    params = init_stack(jax.random.key(0), cfg, 3)
+    xs = jax.random.normal(jax.random.key(1), (3, 1, 5, 16))
+    stack = eae_jax.reconstruct(block)
+    got = jax.vmap(lambda x: jax.grad(lambda p: loss_of(stack(p, x)))(params))(xs)
+    want = jax.vmap(lambda x: jax.grad(lambda p: loss_of(plain_stack(block, p, x)))(params))(xs)
+    assert max_tree_rel_err(got, want) <= 1e-5

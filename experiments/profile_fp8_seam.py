@@ -1,0 +1,195 @@
+"""Where the time of the FFN seam goes: a per-kernel GPU profile, bf16 vs fp8 vs Flax.
+
+    python experiments/profile_fp8_seam.py [--shape 8192,2048,5632] [--iters 10] [--out DIR]
+
+Each variant is jitted and compiled, warmed up, then run ``--iters`` times
+under `jax.profiler.trace`. The trace's device events are grouped by kernel
+(HLO instruction) name and summed per iteration, so the table says which
+GEMMs and which elementwise fusions cost what. Each variant's compiled HLO
+is written next to the JSON (``hlo/<variant>.txt``) to map a fusion name to
+what it computes.
+
+Variants (forward ``fwd`` and forward+backward ``fb`` of each):
+
+* ``bf16``: `eae_jax.blocks.swiglu`.
+* ``eae``: `eae_jax.fp8` FFN seam, static scales, guards on.
+* ``eae-unguarded``: the same with ``check_values=False``.
+* ``flax``: ``flax.linen.Fp8DirectDotGeneralOp`` SwiGLU (when flax has it).
+
+Output: one table per variant (top kernels, microseconds per iteration) and
+``profile_fp8_seam.json`` in ``--out`` (default ``$OUT`` or
+``experiments/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eae_jax import fp8  # noqa: E402
+from eae_jax.blocks import init_swiglu, rms_norm, swiglu  # noqa: E402
+
+
+def device_kernel_times(trace_dir: str, iters: int) -> Dict[str, Any]:
+    """Sum device-side event durations by name from a profiler trace.
+
+    Returns ``{'kernels': [(name, us_per_iter, calls_per_iter)], 'busy_us':
+    total device time per iteration}``; host-only traces (CPU backend) give
+    the host's XLA op events instead, so the script also runs on CPU.
+    """
+    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        raise RuntimeError(f"no trace file under {trace_dir}")
+    with gzip.open(files[0]) as fh:
+        trace = json.load(fh)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = {p for p, n in procs.items() if "GPU" in n or "gpu" in n or "device" in n.lower()}
+    use = gpu_pids or set(procs)
+    total = collections.defaultdict(float)
+    calls = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in use:
+            continue
+        name = e.get("name", "?")
+        if gpu_pids and procs.get(e["pid"], "").endswith("CPU"):
+            continue
+        total[name] += float(e.get("dur", 0.0))
+        calls[name] += 1
+    rows = sorted(((n, t / iters, calls[n] / iters) for n, t in total.items()), key=lambda r: -r[1])
+    return {"kernels": rows, "busy_us": sum(t for _, t, _ in rows), "device_processes": sorted(procs[p] for p in use)}
+
+
+def profile(name: str, fn: Callable, args: tuple, iters: int, out_dir: str) -> Dict[str, Any]:
+    """Compile, time (wall, block_until_ready) and trace one function."""
+    t = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    compile_s = time.perf_counter() - t
+    os.makedirs(os.path.join(out_dir, "hlo"), exist_ok=True)
+    text = compiled.as_text()
+    with open(os.path.join(out_dir, "hlo", name + ".txt"), "w") as fh:
+        fh.write(text)
+    for _ in range(3):
+        jax.block_until_ready(compiled(*args))
+    wall = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        wall.append((time.perf_counter() - t) * 1e3)
+    tdir = tempfile.mkdtemp(prefix="eae_prof_")
+    try:
+        jax.profiler.start_trace(tdir)
+        for _ in range(iters):
+            jax.block_until_ready(compiled(*args))
+        jax.profiler.stop_trace()
+        prof = device_kernel_times(tdir, iters)
+    finally:
+        shutil.rmtree(tdir, ignore_errors=True)
+    return {"variant": name, "median_ms": statistics.median(wall), "compile_s": compile_s,
+            "fp8_gemms": text.count('"__cublas$lt$matmul$f8"'), **prof}
+
+
+def print_profile(rec: Dict[str, Any], top: int) -> None:
+    print(f"\n== {rec['variant']}: wall {rec['median_ms']:.3f} ms, device busy {rec['busy_us'] / 1e3:.3f} ms, "
+          f"fp8 GEMMs {rec['fp8_gemms']} ==")
+    print(f"{'us/iter':>9} {'calls':>6}  kernel")
+    for n, us, c in rec["kernels"][:top]:
+        print(f"{us:9.1f} {c:6.1f}  {n[:110]}")
+    sys.stdout.flush()
+
+
+def variants(m: int, d: int, f: int) -> List[tuple]:
+    keys = jax.random.split(jax.random.key(0), 6)
+    pb = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), init_swiglu(keys[0], d, f))
+    ones = {"scale": jnp.ones((d,), jnp.float32)}
+    x = rms_norm(ones, jax.random.normal(keys[1], (m, d), jnp.float32)).astype(jnp.bfloat16)
+    ct = jax.random.normal(keys[2], (m, d), jnp.float32).astype(jnp.bfloat16)
+    streams = [jax.random.normal(k, (m, d), jnp.float32) for k in keys[3:5]]
+    cal = [rms_norm(ones, r).astype(jnp.bfloat16) for r in streams]
+    resid = [r.astype(jnp.bfloat16) for r in streams]
+
+    def fb_of(apply):
+        def fb(p, x_, ct_):
+            return jax.grad(lambda p_, y_: jnp.sum(apply(p_, y_).astype(jnp.float32) * ct_.astype(jnp.float32)),
+                            argnums=(0, 1))(p, x_)
+        return fb
+
+    out = [("bf16", swiglu, fb_of(swiglu), pb)]
+    for label, guarded in (("eae", True), ("eae-unguarded", False)):
+        seam = fp8.ffn_seam(check_values=guarded)
+        bound = fp8.bind(seam, pb, cal, residuals=resid)
+        st = bound.state
+        fwd = (lambda s: lambda p, x_: fp8.apply_with_ledger(seam, s, p, x_)[0])(st)
+        app = (lambda s: lambda p, x_: fp8.apply(seam, s, p, x_))(st)
+        out.append((label, fwd, fb_of(app), pb))
+    try:
+        import flax.linen as nn
+
+        cls = getattr(nn, "Fp8DirectDotGeneralOp")
+        dn = (((1,), (1,)), ((), ()))
+
+        class FlaxSwiGLU(nn.Module):
+            @nn.compact
+            def __call__(self, x_, wg, wu, wd):
+                g = cls(name="gate")(x_, wg, dn)
+                u = cls(name="up")(x_, wu, dn)
+                return cls(name="down")(nn.silu(g) * u, wd, dn)
+
+        mod = FlaxSwiGLU()
+        variables = mod.init(jax.random.key(1), x, pb["w_gate"], pb["w_up"], pb["w_down"])
+        fparams = {"v": variables, **pb}
+
+        def flax_apply(p, x_):
+            return mod.apply(p["v"], x_, p["w_gate"], p["w_up"], p["w_down"])
+        out.append(("flax", flax_apply, fb_of(flax_apply), fparams))
+    except Exception as err:  # flax is the comparison, not the subject
+        print(f"flax variant skipped: {type(err).__name__}: {err}")
+    return [(name, fwd, fb, p, x, ct) for name, fwd, fb, p in out]
+
+
+def main(argv=None) -> Dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="8192,2048,5632", help="tokens,dim,ffn")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--only", default="", help="comma list of variant names to run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    m, d, f = (int(v) for v in args.shape.split(","))
+    out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    only = set(filter(None, args.only.split(",")))
+    results = {"shape": [m, d, f], "backend": jax.default_backend(), "jax": jax.__version__, "runs": []}
+    for name, fwd, fb, p, x, ct in variants(m, d, f):
+        if only and name not in only:
+            continue
+        for kind, fn, fargs in (("fwd", fwd, (p, x)), ("fb", fb, (p, x, ct))):
+            rec = profile(f"{name}-{kind}", fn, fargs, args.iters, out_dir)
+            rec["kernels"] = rec["kernels"][:40]
+            results["runs"].append(rec)
+            print_profile(rec, args.top)
+    with open(os.path.join(out_dir, "profile_fp8_seam.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

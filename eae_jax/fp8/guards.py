@@ -142,12 +142,19 @@ def value_stats(x: jax.Array, scale: Optional[jax.Array], fmax: float):
       ``(amax, saturated_fraction)`` float32 scalars; ``amax`` is NaN/inf
       when ``x`` holds a non-finite value (max propagates NaN).
     """
-    mag = jnp.abs(x.astype(jnp.float32))
-    amax = jnp.max(mag)
+    # Statistics, not values to differentiate (lax.reduce with several
+    # operands has no JVP rule either).
+    mag = jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32))
     if scale is None:
-        return amax, jnp.zeros((), jnp.float32)
+        return jnp.max(mag), jnp.zeros((), jnp.float32)
     limit = saturation_limit(fmax) * jnp.asarray(scale, jnp.float32)
-    return amax, jnp.mean((mag > limit).astype(jnp.float32))
+    # One variadic reduction computes both statistics in a single pass over
+    # x (two separate reductions are two kernels, each reading all of x).
+    # jnp.maximum propagates NaN, which is what flags a non-finite input.
+    amax, count = jax.lax.reduce(
+        (mag, (mag > limit).astype(jnp.float32)), (jnp.float32(0), jnp.float32(0)),
+        lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]), tuple(range(x.ndim)))
+    return amax, count / max(1, x.size)
 
 
 def saturation_limit(fmax: float) -> float:

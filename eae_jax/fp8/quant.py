@@ -12,10 +12,14 @@ Everything a seam multiplies goes through `fp8_linear`:
   GEMM.
 * backward: the output gradient is quantized to ``float8_e5m2`` with a
   per-tensor scale computed from its current amax ("current scaling") and
-  multiplied with the saved e4m3 operands: ``dx = g @ w`` and
-  ``dw = g^T @ x``, again as fp8 GEMMs. A row/column scale that does not
-  factor out of a backward contraction is folded into the gradient before
-  it is quantized (e5m2 has 30 binades of range, so that is free).
+  multiplied with e4m3 operands: ``dx = g @ w`` against the weight
+  requantized per *input* channel (that scale factors out of dgrad's
+  contraction over the outputs) and ``dw = g^T @ x`` against the saved fp8
+  activations, again as fp8 GEMMs with float32-promoted accumulation. A
+  row scale that does not factor out of a backward contraction (per-row
+  activations in wgrad, a frozen weight's output-channel scale in dgrad) is
+  folded into the gradient before it is quantized (e5m2 has 30 binades of
+  range, so that is free).
 
 Why operands are never dequantized before the dot: XLA folds
 ``quantize -> dequantize to bf16 -> dot`` back into a bf16 GEMM (the rounding
@@ -29,7 +33,8 @@ transpose the weight on every call.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Union
+import functools
+from typing import Any, NamedTuple, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -107,13 +112,23 @@ def row_amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
 
 
-def fp8_matmul(a: jax.Array, b: jax.Array, out_dtype: Any) -> jax.Array:
+def fp8_matmul(a: jax.Array, b: jax.Array, out_dtype: Any, precise: bool = False) -> jax.Array:
     """``a @ b.T`` on fp8 operands: ``a`` ``(M, K)``, ``b`` ``(N, K)`` -> ``(M, N)``.
 
     One `jax.lax.dot_general` contracting the last axis of both operands,
     with the accumulator written in ``out_dtype``. This exact form is what
     XLA rewrites into cuBLASLt's fp8 GEMM on Hopper/Ada (e4m3 x e4m3 and
     e5m2 x e4m3 are both accepted); on CPU XLA emulates it in float32.
+
+    ``precise`` asks for ``Precision.HIGHEST``. With the default precision
+    XLA turns on cuBLASLt's fp8 *fast accumulation*, whose Hopper tensor-core
+    accumulator keeps only about 14 mantissa bits and is not periodically
+    promoted to float32; over a long contraction (a weight gradient sums
+    over every token) the truncation biases sums toward zero. HIGHEST keeps
+    the fp8 kernel but with float32 promotion (TransformerEngine's "split
+    accumulator"). Forward GEMMs can afford the fast mode; gradient GEMMs
+    cannot: with it a 300-step LM run on the H200 stalled at the uniform
+    loss while the float32-emulated CPU run tracked bf16.
 
     Raises:
       ValueError: operands not fp8, not 2-D, or contracting widths differ.
@@ -122,7 +137,9 @@ def fp8_matmul(a: jax.Array, b: jax.Array, out_dtype: Any) -> jax.Array:
         raise ValueError(f"fp8_matmul needs fp8 operands, got {a.dtype} and {b.dtype}")
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_matmul expects (M, K) and (N, K), got {a.shape} and {b.shape}")
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.dtype(out_dtype))
+    precision = jax.lax.Precision.HIGHEST if precise else None
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.dtype(out_dtype))
 
 
 def gemm_out_dtype(dtype: Any) -> jnp.dtype:
@@ -165,70 +182,91 @@ def _e5m2_grad(g32: jax.Array, fold: jax.Array, bound: jax.Array):
     return quantize(g32 * fold, scale, E5M2), scale
 
 
-def _linear_fwd_math(x, xs, wq, ws, out_dtype):
+def _linear_fwd_math(x, xs, wq, ws, out_dtype, fast):
     xq = quantize(x, xs, E4M3)
-    acc = fp8_matmul(xq, wq, gemm_out_dtype(out_dtype))
+    acc = fp8_matmul(xq, wq, gemm_out_dtype(out_dtype), precise=not fast)
     y = (acc.astype(jnp.float32) * xs * ws[None, :]).astype(out_dtype)
     return y, xq
 
 
-def _linear_bwd_math(g, xq, xs, wq, ws, x_dtype, w_dtype, want_dw: bool):
+def _dgrad_weight(w: jax.Array) -> Fp8Weight:
+    """``w.T`` ``(K, N)`` quantized per row of the transpose (per input channel
+    of ``w``): the dgrad contraction runs over ``N``, so this scale factors
+    out of it and the gradient needs no folding."""
+    return quantize_weight(w.T)
+
+
+def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast):
+    """dx (and dw when ``w_dtype`` is given) from the output gradient ``g``.
+
+    ``w`` is the live weight (dgrad operand requantized per input channel)
+    or an `Fp8Weight` (frozen: its per-output-channel scale is folded into
+    ``g`` for dgrad, and no dw).
+    """
     g32 = g.astype(jnp.float32)
     gmax = jnp.max(jnp.abs(g32))
-    # dgrad: dx[m,k] = sum_n g[m,n] ws[n] wq[n,k]; ws does not factor out of
-    # the n-contraction, so it is folded into g before quantizing.
-    gq, gs = _e5m2_grad(g32, ws[None, :], gmax * jnp.max(ws))
-    dx = fp8_matmul(gq, wq.T, gemm_out_dtype(x_dtype))
-    dx = (dx.astype(jnp.float32) * gs).astype(x_dtype)
-    if not want_dw:
-        return dx, None
-    # wgrad: dw[n,k] = sum_m g[m,n] xs[m] xq[m,k]; the row scale of x is folded
-    # into g (a per-tensor xs folds the same way).
-    xs_rows = jnp.broadcast_to(xs, (g.shape[0], 1))
-    gq2, gs2 = _e5m2_grad(g32, xs_rows, gmax * jnp.max(xs))
-    dw = fp8_matmul(gq2.T, xq.T, gemm_out_dtype(w_dtype))
-    dw = (dw.astype(jnp.float32) * gs2).astype(w_dtype)
-    return dx, dw
+    per_tensor_x = xs.ndim == 0
+    if isinstance(w, Fp8Weight):
+        # dx[m,k] = sum_n g[m,n] ws[n] wq[n,k]: ws sits on the contraction axis.
+        gq_d, gs_d = _e5m2_grad(g32, w.scale[None, :], gmax * jnp.max(w.scale))
+        dx = fp8_matmul(gq_d, w.q.T, gemm_out_dtype(x_dtype), precise=not fast)
+        return (dx.astype(jnp.float32) * gs_d).astype(x_dtype), None
+    # One e5m2 quantization of g serves both GEMMs when x has a per-tensor
+    # scale (static/delayed scaling): dgrad uses a weight scaled per input
+    # channel (factors out of the N-contraction), wgrad multiplies the scalar
+    # x scale into the result.
+    gs = scale_from_amax(gmax, E5M2)
+    gq = quantize(g32, gs, E5M2)
+    wt = _dgrad_weight(w)
+    dx = fp8_matmul(gq, wt.q, gemm_out_dtype(x_dtype), precise=not fast)
+    dx = (dx.astype(jnp.float32) * gs * wt.scale[None, :]).astype(x_dtype)
+    if per_tensor_x:
+        gq_w, gs_w = gq, gs * xs
+    else:
+        # dw[n,k] = sum_m g[m,n] xs[m] xq[m,k]: a per-row x scale sits on the
+        # contraction axis and is folded into g (e5m2 has the range for it).
+        gq_w, gs_w = _e5m2_grad(g32, xs, gmax * jnp.max(xs))
+    dw = fp8_matmul(gq_w.T, xq.T, gemm_out_dtype(w_dtype), precise=not fast)
+    return dx, (dw.astype(jnp.float32) * gs_w).astype(w_dtype)
 
 
-@jax.custom_vjp
-def _linear_live(x, w, xs):
-    ws = scale_from_amax(row_amax(w)[:, 0], E4M3)
-    wq = quantize(w, ws[:, None], E4M3)
-    return _linear_fwd_math(x, xs, wq, ws, x.dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _linear_live(x, w, xs, fast):
+    wq = quantize_weight(w)
+    return _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])[0]
 
 
-def _linear_live_fwd(x, w, xs):
-    ws = scale_from_amax(row_amax(w)[:, 0], E4M3)
-    wq = quantize(w, ws[:, None], E4M3)
-    y, xq = _linear_fwd_math(x, xs, wq, ws, x.dtype)
-    # Residuals are the fp8 operands (half the bytes of bf16 ones), their
-    # scales, and zero-size dtype carriers for the cotangent dtypes.
-    return y, (xq, xs, wq, ws, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+def _linear_live_fwd(x, w, xs, fast):
+    wq = quantize_weight(w)
+    y, xq = _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])
+    # Residuals: the fp8 activations (half the bytes of bf16 ones), their
+    # scale, the weight itself (a primal input, so no copy) and a zero-size
+    # carrier of the activation dtype.
+    return y, (xq, xs, w, jnp.zeros((0,), x.dtype))
 
 
-def _linear_live_bwd(res, g):
-    xq, xs, wq, ws, xd, wd = res
-    dx, dw = _linear_bwd_math(g, xq, xs, wq, ws, xd.dtype, wd.dtype, True)
+def _linear_live_bwd(fast, res, g):
+    xq, xs, w, xd = res
+    dx, dw = _linear_bwd_math(g, xq, xs, w, xd.dtype, w.dtype, fast[1])
     return dx, dw, jnp.zeros_like(xs)
 
 
 _linear_live.defvjp(_linear_live_fwd, _linear_live_bwd)
 
 
-@jax.custom_vjp
-def _linear_frozen(x, wq, ws, xs):
-    return _linear_fwd_math(x, xs, wq, ws, x.dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _linear_frozen(x, wq, ws, xs, fast):
+    return _linear_fwd_math(x, xs, wq, ws, x.dtype, fast[0])[0]
 
 
-def _linear_frozen_fwd(x, wq, ws, xs):
-    y, xq = _linear_fwd_math(x, xs, wq, ws, x.dtype)
+def _linear_frozen_fwd(x, wq, ws, xs, fast):
+    y, xq = _linear_fwd_math(x, xs, wq, ws, x.dtype, fast[0])
     return y, (xq, xs, wq, ws, jnp.zeros((0,), x.dtype))
 
 
-def _linear_frozen_bwd(res, g):
+def _linear_frozen_bwd(fast, res, g):
     xq, xs, wq, ws, xd = res
-    dx, _ = _linear_bwd_math(g, xq, xs, wq, ws, xd.dtype, None, False)
+    dx, _ = _linear_bwd_math(g, xq, xs, Fp8Weight(wq, ws), xd.dtype, None, fast[1])
     # A frozen weight is a constant: zero cotangents for it and its scale.
     return dx, jnp.zeros_like(wq), jnp.zeros_like(ws), jnp.zeros_like(xs)
 
@@ -236,14 +274,17 @@ def _linear_frozen_bwd(res, g):
 _linear_frozen.defvjp(_linear_frozen_fwd, _linear_frozen_bwd)
 
 
-def fp8_linear(x: jax.Array, w: Union[jax.Array, Fp8Weight], x_scale: jax.Array) -> jax.Array:
+def fp8_linear(x: jax.Array, w: Union[jax.Array, Fp8Weight], x_scale: jax.Array,
+               fast_accum: Tuple[bool, bool] = (True, False)) -> jax.Array:
     """``x @ w.T`` through an fp8 GEMM, differentiable with an fp8 backward.
 
     The forward quantizes ``x / x_scale`` to e4m3 and (for a live weight)
     ``w`` per output channel to e4m3, runs `fp8_matmul` and multiplies both
     scales into the result. The backward quantizes the output gradient to
     e5m2 with a current per-tensor scale and runs two more fp8 GEMMs (see
-    the module docstring). ``x_scale`` gets a zero cotangent (scales are
+    the module docstring); the dgrad GEMM reads the weight requantized per
+    input channel, so with a per-tensor ``x_scale`` one quantization of the
+    gradient serves both GEMMs. ``x_scale`` gets a zero cotangent (scales are
     calibrated, not trained); a live weight gets the straight-through
     gradient ``g^T x``; an `Fp8Weight` gets zeros.
 
@@ -252,6 +293,10 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Fp8Weight], x_scale: jax.Array)
       w: ``(N, K)`` weight in a float dtype (quantized on every call, the
         training path) or an `Fp8Weight` (quantized once, inference).
       x_scale: float32 scalar (per-tensor) or ``(M, 1)`` (per-row) scale.
+      fast_accum: ``(forward, backward)``: whether those GEMMs may use
+        cuBLASLt's fp8 fast accumulation (see `fp8_matmul`). Default: fast
+        forward (K is a model width), float32-promoted backward (the wgrad
+        contraction runs over every token).
 
     Returns:
       ``(M, N)`` in ``x.dtype``.
@@ -267,9 +312,10 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Fp8Weight], x_scale: jax.Array)
     x_scale = jnp.asarray(x_scale, jnp.float32)
     if x_scale.shape not in ((), (x.shape[0], 1)):
         raise ValueError(f"x_scale must be a scalar or ({x.shape[0]}, 1), got shape {x_scale.shape}")
+    fast = (bool(fast_accum[0]), bool(fast_accum[1]))
     if isinstance(w, Fp8Weight):
-        return _linear_frozen(x, w.q, w.scale, x_scale)
-    return _linear_live(x, w, x_scale)
+        return _linear_frozen(x, w.q, w.scale, x_scale, fast)
+    return _linear_live(x, w, x_scale, fast)
 
 
 def reference_linear(x: jax.Array, w: jax.Array, x_scale: jax.Array) -> np.ndarray:

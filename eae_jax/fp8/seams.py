@@ -84,6 +84,10 @@ class SeamConfig:
       dtypes, min_rows, max_rows, platforms, min_compute_capability: the
         trace-time contract (`eae_jax.fp8.guards.Contract`).
       gate_cos: the parity gate's cosine threshold (0 disables the gate).
+      fast_accum_fwd, fast_accum_bwd: let the forward / gradient GEMMs use
+        cuBLASLt's fp8 fast accumulation (`eae_jax.fp8.quant.fp8_matmul`;
+        no effect off GPU). The gradient GEMMs default to float32-promoted
+        accumulation: their contractions run over every token.
     """
 
     act_scaling: str = "static"
@@ -99,6 +103,8 @@ class SeamConfig:
     platforms: Optional[Tuple[str, ...]] = None
     min_compute_capability: float = 8.9
     gate_cos: float = 0.999
+    fast_accum_fwd: bool = True
+    fast_accum_bwd: bool = False
 
     def __post_init__(self):
         if self.act_scaling not in SCALINGS:
@@ -309,8 +315,12 @@ def _act_scale(seam: Seam, x2: jax.Array, static_scale: jax.Array) -> jax.Array:
     return static_scale
 
 
+def _fast(seam: Seam) -> Tuple[bool, bool]:
+    return (seam.config.fast_accum_fwd, seam.config.fast_accum_bwd)
+
+
 def _first_gemm(seam, groups, x2, scales):
-    a = fp8_linear(x2, groups[0], _act_scale(seam, x2, scales[0]))
+    a = fp8_linear(x2, groups[0], _act_scale(seam, x2, scales[0]), _fast(seam))
     if seam.kind == "dense":
         return a
     f = a.shape[-1] // 2
@@ -321,7 +331,7 @@ def _first_gemm(seam, groups, x2, scales):
 
 
 def _second_gemm(seam, groups, h, scales):
-    return fp8_linear(h, groups[1], _act_scale(seam, h, scales[1]))
+    return fp8_linear(h, groups[1], _act_scale(seam, h, scales[1]), _fast(seam))
 
 
 def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array) -> jax.Array:

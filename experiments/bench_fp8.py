@@ -123,6 +123,7 @@ def timed(fn: Callable, args: tuple, warmup: int, iters: int, feed: Optional[Cal
         jax.block_until_ready(out)
         rounds.append((time.perf_counter() - t) * 1e3 / iters)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "pipelined_ms": statistics.median(rounds),
+            "calls": warmup + iters + len(rounds) * iters,
             "compile_s": compile_s, "hlo": hlo_counts(compiled), "lowered_fp8_dots": lowered_fp8_dots(lowered),
             "out": out, "args": args}
 
@@ -458,7 +459,7 @@ def _e2e_one(args, name, c, impl) -> Dict[str, Any]:
     log(f"  fp8 step {f8['median_ms']:.1f} ms (compile {f8['compile_s']:.0f} s)")
     state = f8["out"][1]
     report = bound.report(state)
-    steps = args.warmup + args.iters
+    steps = f8["calls"]
     calls_ok = all(e["calls"] == steps for e in report)
     row = {"config": name, **c, "attention_impl": impl, "bf16": strip(bf), "fp8": strip(f8),
            "bf16_loss_last": float(bf["out"][1]), "fp8_loss_last": float(f8["out"][2]),

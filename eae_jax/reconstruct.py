@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from eae_jax import carry as carry_lib
+from eae_jax import grad_slots
 from eae_jax import offload as offload_lib
 from eae_jax.passes.base import AdjointTransformation, PassContext, apply_pass, as_pass, identity
 
@@ -48,6 +49,13 @@ class Scan(NamedTuple):
 
     fn: Callable
     name: Optional[str] = None
+
+
+class _SlotStore(NamedTuple):
+    """A scanned segment's boundaries stored inside its gradient slot buffers
+    (see `eae_jax.grad_slots`)."""
+
+    bufs: tuple
 
 
 class _Segment(NamedTuple):
@@ -120,7 +128,7 @@ class Reconstructed:
     """
 
     def __init__(self, segments: List[_Segment], passes: AdjointTransformation, boundary_dtype, offload: bool,
-                 policy, stats: bool, single: bool):
+                 policy, stats: bool, single: bool, boundaries_in_grads: bool = True):
         self.segments = segments
         self.passes = passes
         self.boundary_dtype = None if boundary_dtype is None else jnp.dtype(boundary_dtype)
@@ -128,6 +136,7 @@ class Reconstructed:
         self.policy = policy
         self.collect_stats = stats
         self._single = single  # the user gave one block fn: params is the stacked tree itself
+        self.boundaries_in_grads = boundaries_in_grads
 
     # ------------------------------------------------------------------ shapes
     def _param_list(self, params):
@@ -315,11 +324,37 @@ class Reconstructed:
         layouts[seg.name] = (treedef, layout)
         return y, kept
 
+    def _slot_plan(self, seg: _Segment, p, h) -> Optional[grad_slots.SlotPlan]:
+        """The gradient-slot layout for a scanned segment's boundaries, or None
+        when they are stored the ordinary way (a policy's residuals, offload,
+        or blocks whose float params are smaller than a boundary)."""
+        if not (self.boundaries_in_grads and seg.scanned and self.policy is None and not self.offload):
+            return None
+        if not jnp.issubdtype(h.dtype, jnp.floating):
+            return None
+        stored = self.boundary_dtype if self.boundary_dtype is not None else h.dtype
+        specs = [(l.shape[1:], l.dtype) for l in jax.tree_util.tree_leaves(p)]
+        return grad_slots.plan(specs, h.shape, stored)
+
+    def _slot_forward(self, seg, p, h, side, plan, n):
+        def body(carry, xs):
+            hh, bufs = carry
+            pp, i = xs
+            y = self._call_block(seg, pp, hh, side)
+            return (y, grad_slots.pack(plan, self._store(hh), bufs, i)), None
+
+        (h, bufs), _ = jax.lax.scan(body, (h, grad_slots.empty_slots(plan, n)), (p, jnp.arange(n, dtype=jnp.int32)))
+        return h, _SlotStore(bufs)
+
     def _forward(self, plist, x, side, layouts):
         h = x
         saved = []
         for seg, p in zip(self.segments, plist):
-            if seg.scanned:
+            plan = self._slot_plan(seg, p, h)
+            if plan is not None:
+                layouts[("slots", seg.name)] = plan
+                h, res = self._slot_forward(seg, p, h, side, plan, self._depth(seg, p))
+            elif seg.scanned:
                 def body(hh, pp, seg=seg):
                     return self._block_forward(seg, pp, hh, side, layouts)
 
@@ -391,7 +426,10 @@ class Reconstructed:
                     return gh, (gp, st_i, nin, nout)
 
                 idx = off + jnp.arange(n, dtype=jnp.int32)
-                if self._prefetches(seg, n):
+                if isinstance(res, _SlotStore):
+                    g_new, (gp, st, nin, nout) = self._slot_scan(seg, p, res, g, seg_states[s], idx, spec, side,
+                                                                  step, num, layouts[("slots", seg.name)])
+                elif self._prefetches(seg, n):
                     g_new, (gp, st, nin, nout) = self._prefetch_scan(seg, p, res, g, seg_states[s], idx, spec, side,
                                                                       step, num)
                 else:
@@ -412,6 +450,35 @@ class Reconstructed:
             stats = tree["stats"]
         new_tree = {"step": step, "state": {"segments": seg_states, "top": top}, "stats": stats}
         return grads, g, carry_lib.encode_like(new_tree, carry, calls=1.0)
+
+    def _slot_scan(self, seg, p, res, g, states, idx, spec, side, step, num, plan):
+        """Reverse scan whose carry holds the slot buffers: iteration i reads
+        boundary i out of row i, then overwrites that row with block i's
+        gradients of the chosen leaves (in place); the other leaves' gradients
+        are stacked as usual. Returns like ``lax.scan`` over the segment."""
+        n = idx.shape[0]
+        float_in = _is_float(spec)
+        chosen = set(plan.leaves)
+
+        def body(carry, xs):
+            gg, bufs = carry
+            p_i, st_i, b, i = xs
+            h_i = grad_slots.unpack(plan, bufs, i)
+            gp, gh = self._vjp_at(seg, p_i, self._load(h_i, spec), gg, float_in, side)
+            leaves = jax.tree_util.tree_leaves(gp)
+            bufs = grad_slots.store_grads(plan, bufs, leaves, i)
+            rest = [None if k in chosen else l for k, l in enumerate(leaves)]
+            gh, st_i, nin, nout = self._boundary(gh, st_i, b, step, num)
+            if gh is None:  # non-float input: nothing flows on, keep the carry's type
+                gh = gg
+            return (gh, bufs), (rest, st_i, nin, nout)
+
+        (g_new, bufs), (rest, st, nin, nout) = jax.lax.scan(
+            body, (g, res.bufs), (p, states, idx, jnp.arange(n, dtype=jnp.int32)), reverse=True)
+        p_leaves, treedef = jax.tree_util.tree_flatten(p)
+        from_slots = {k: g.reshape(p_leaves[k].shape) for k, g in zip(plan.leaves, grad_slots.to_grads(plan, bufs))}
+        grads = [from_slots[k] if k in from_slots else r for k, r in enumerate(rest)]
+        return g_new, (jax.tree_util.tree_unflatten(treedef, grads), st, nin, nout)
 
     def _prefetch_scan(self, seg, p, res, g, states, idx, spec, side, step, num):
         """Reverse scan over an offloaded segment, loading boundary i-1 while block i runs.
@@ -500,6 +567,7 @@ def reconstruct(
     offload: bool = False,
     policy: Any = None,
     stats: bool = True,
+    boundaries_in_grads: bool = True,
 ) -> Reconstructed:
     """Turn pure block functions into a stack with explicit adjoint execution.
 
@@ -525,6 +593,14 @@ def reconstruct(
         callable: which block internals the forward also keeps so the
         backward need not recompute them.
       stats: collect per-boundary adjoint norms into the carry.
+      boundaries_in_grads: a scanned run stores boundary i inside the buffer
+        that later receives block i's gradients of its largest parameters
+        (`eae_jax.grad_slots`): the backward reads the boundary out and
+        overwrites it with the gradients in place, saving L boundaries of
+        peak memory. Applies to boundary-only storage on device (no policy,
+        no offload) when a block's float params outweigh one boundary;
+        otherwise boundaries are stored the ordinary way. Results are
+        identical either way.
 
     Returns:
       A `Reconstructed` stack.
@@ -560,4 +636,5 @@ def reconstruct(
         from eae_jax.dtypes import parse_compute_dtype
 
         boundary_dtype = parse_compute_dtype(boundary_dtype)
-    return Reconstructed(segments, chain_, boundary_dtype, offload, resolve_policy(policy), stats, single)
+    return Reconstructed(segments, chain_, boundary_dtype, offload, resolve_policy(policy), stats, single,
+                         bool(boundaries_in_grads))

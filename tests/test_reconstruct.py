@@ -152,9 +152,12 @@ def test_boundary_dtype_bf16_stores_rounded_boundaries():
     err = max_tree_rel_err(got, want)
     assert 0 < err < 2e-2  # recomputed from bf16-rounded boundaries: close, not identical
 
-    # the residuals the backward keeps are bf16
-    jaxpr = jax.make_jaxpr(lambda p: jax.vjp(lambda q: stack(q, x), p)[1])(params)
+    # stored separately, the residuals the backward keeps are bf16; stored in
+    # the (f32) gradient slots they hold the same bf16 bits: same gradients
+    separate = eae_jax.reconstruct(block, boundary_dtype="bf16", boundaries_in_grads=False)
+    jaxpr = jax.make_jaxpr(lambda p: jax.vjp(lambda q: separate(q, x), p)[1])(params)
     assert "bf16[3,2,6,16]" in str(jaxpr)
+    chex.assert_trees_all_equal(jax.grad(lambda p: loss_of(separate(p, x)))(params), got)
 
 
 # ---------------------------------------------------------------- bad inputs

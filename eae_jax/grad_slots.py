@@ -1,0 +1,163 @@
+"""Storing a scanned run's boundaries inside its own gradient buffers.
+
+In the backward of a scanned run of ``L`` blocks, iteration ``i`` reads the
+stored boundary ``x_i`` once (to recompute block ``i``) and then writes block
+``i``'s parameter gradients. Stored separately, the boundaries (``L`` of them)
+and the gradients (``L`` blocks' worth) are both live for the whole backward.
+But boundary ``i`` is dead exactly when gradient ``i`` is born, so they can
+share bytes: the forward writes boundary ``i`` into the slot that will hold
+block ``i``'s gradients of a few large parameter leaves, and the backward,
+carrying those buffers through its reverse scan, reads boundary ``i`` out of
+slot ``i`` before overwriting the slot, in place, with the gradients. The
+buffers then *are* those leaves' gradients. Peak memory drops by ``L``
+boundaries (for a LLaMA-1B-like stack at batch 4 x 2048, 16 x 32 MiB).
+
+The bytes move with ``lax.bitcast_convert_type`` (through ``uint8``), so
+boundary and gradient dtypes may differ (a bf16 boundary in f32 gradient
+slots). The slot buffers hold unsigned integers of the gradient's width
+while they carry foreign bytes: a float buffer would let a backend quiet a
+NaN payload or flush a subnormal that is really half of another number (the
+CPU backend does, on bf16 data movement). `to_grads` reinterprets them as
+the gradient dtype at the end, a free bitcast. A `SlotPlan` exists only when the float leaves of one block hold at
+least as many bytes as one boundary; otherwise the caller stores boundaries
+the ordinary way.
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class SlotPlan(NamedTuple):
+    """Where one boundary's bytes go inside one block's gradient slots.
+
+    Attributes:
+      leaves: indices (in ``tree_leaves`` order of one block's params) of the
+        leaves whose gradient buffers hold boundary bytes.
+      elems: per chosen leaf, its element count in one block.
+      dtypes: per chosen leaf, its dtype (the gradient dtype).
+      chunks: per chosen leaf, ``(byte offset in the boundary, byte count)``
+        (byte counts are multiples of the leaf's itemsize; the last one may
+        run past the boundary's end into zero padding).
+      shape, dtype: the stored boundary's shape and dtype.
+      nbytes: the boundary's size in bytes.
+    """
+
+    leaves: Tuple[int, ...]
+    elems: Tuple[int, ...]
+    dtypes: Tuple[jnp.dtype, ...]
+    chunks: Tuple[Tuple[int, int], ...]
+    shape: Tuple[int, ...]
+    dtype: jnp.dtype
+    nbytes: int
+
+
+def plan(param_leaf_specs, boundary_shape, boundary_dtype) -> Optional[SlotPlan]:
+    """Choose gradient slots for one boundary, largest float leaves first.
+
+    Args:
+      param_leaf_specs: ``(shape, dtype)`` per param leaf of ONE block (no
+        depth axis), in ``tree_leaves`` order.
+      boundary_shape, boundary_dtype: the stored boundary.
+
+    Returns:
+      A `SlotPlan`, or None when the block's float leaves are smaller than a
+      boundary (or the boundary is not a float array).
+    """
+    bdtype = jnp.dtype(boundary_dtype)
+    if not jnp.issubdtype(bdtype, jnp.floating):
+        return None
+    nbytes = int(np.prod(boundary_shape, dtype=np.int64)) * bdtype.itemsize
+    if nbytes == 0:
+        return None
+    cands = []
+    for idx, (shape, dtype) in enumerate(param_leaf_specs):
+        dtype = jnp.dtype(dtype)
+        if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 8:
+            elems = int(np.prod(shape, dtype=np.int64))
+            if elems:
+                cands.append((elems * dtype.itemsize, idx, elems, dtype))
+    cands.sort(key=lambda c: (-c[0], c[1]))
+    leaves, elems_l, dtypes, chunks = [], [], [], []
+    offset = 0
+    for size, idx, elems, dtype in cands:
+        if offset >= nbytes:
+            break
+        # Whole elements of the leaf's dtype; the last chunk may overhang the
+        # boundary (the overhang is zero padding).
+        take = min(size, -(-(nbytes - offset) // dtype.itemsize) * dtype.itemsize)
+        leaves.append(idx)
+        elems_l.append(elems)
+        dtypes.append(dtype)
+        chunks.append((offset, take))
+        offset += take
+    if offset < nbytes:
+        return None
+    return SlotPlan(tuple(leaves), tuple(elems_l), tuple(dtypes), tuple(chunks), tuple(boundary_shape), bdtype,
+                    nbytes)
+
+
+def _to_bytes(x: jax.Array) -> jax.Array:
+    flat = x.reshape(-1)
+    if flat.dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(flat, jnp.uint8)
+    return jax.lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b: jax.Array, dtype) -> jax.Array:
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(b, dtype)
+    return jax.lax.bitcast_convert_type(b.reshape(-1, dtype.itemsize), dtype)
+
+
+def _uint(dtype) -> jnp.dtype:
+    return jnp.dtype({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize])
+
+
+def empty_slots(p: SlotPlan, depth: int) -> Tuple[jax.Array, ...]:
+    """Zeroed slot buffers, one ``(depth, elems)`` unsigned array (the width of
+    the leaf's dtype) per chosen leaf."""
+    return tuple(jnp.zeros((depth, e), _uint(d)) for e, d in zip(p.elems, p.dtypes))
+
+
+def to_grads(p: SlotPlan, slots: Tuple[jax.Array, ...]) -> Tuple[jax.Array, ...]:
+    """The slot buffers reinterpreted as the chosen leaves' gradients ``(depth, elems)``."""
+    return tuple(jax.lax.bitcast_convert_type(buf, d) for buf, d in zip(slots, p.dtypes))
+
+
+def pack(p: SlotPlan, boundary: jax.Array, slots: Tuple[jax.Array, ...], i) -> Tuple[jax.Array, ...]:
+    """Write ``boundary`` into row ``i`` of the slot buffers (in place under scan)."""
+    raw = _to_bytes(boundary)
+    end = max(off + n for off, n in p.chunks)
+    if end > raw.shape[0]:
+        raw = jnp.concatenate([raw, jnp.zeros((end - raw.shape[0],), jnp.uint8)])
+    out = []
+    for buf, dtype, (off, n) in zip(slots, p.dtypes, p.chunks):
+        piece = _from_bytes(jax.lax.slice_in_dim(raw, off, off + n), _uint(dtype))
+        out.append(jax.lax.dynamic_update_slice(buf, piece[None], (i, 0)))
+    return tuple(out)
+
+
+def unpack(p: SlotPlan, slots: Tuple[jax.Array, ...], i) -> jax.Array:
+    """Read the boundary stored in row ``i`` of the slot buffers."""
+    parts: List[jax.Array] = []
+    for buf, dtype, (off, n) in zip(slots, p.dtypes, p.chunks):
+        count = n // jnp.dtype(dtype).itemsize
+        row = jax.lax.dynamic_slice(buf, (i, 0), (1, count))[0]
+        parts.append(_to_bytes(row))
+    raw = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return _from_bytes(raw[: p.nbytes], p.dtype).reshape(p.shape)
+
+
+def store_grads(p: SlotPlan, slots: Tuple[jax.Array, ...], grad_leaves, i) -> Tuple[jax.Array, ...]:
+    """Overwrite row ``i`` of each slot buffer with that block's gradient leaf."""
+    out = []
+    for buf, dtype, k in zip(slots, p.dtypes, p.leaves):
+        bits = jax.lax.bitcast_convert_type(grad_leaves[k].astype(dtype).reshape(1, -1), buf.dtype)
+        out.append(jax.lax.dynamic_update_slice(buf, bits, (i, 0)))
+    return tuple(out)

@@ -120,15 +120,12 @@ def fp8_matmul(a: jax.Array, b: jax.Array, out_dtype: Any, precise: bool = False
     XLA rewrites into cuBLASLt's fp8 GEMM on Hopper/Ada (e4m3 x e4m3 and
     e5m2 x e4m3 are both accepted); on CPU XLA emulates it in float32.
 
-    ``precise`` asks for ``Precision.HIGHEST``. With the default precision
-    XLA turns on cuBLASLt's fp8 *fast accumulation*, whose Hopper tensor-core
-    accumulator keeps only about 14 mantissa bits and is not periodically
-    promoted to float32; over a long contraction (a weight gradient sums
-    over every token) the truncation biases sums toward zero. HIGHEST keeps
-    the fp8 kernel but with float32 promotion (TransformerEngine's "split
-    accumulator"). Forward GEMMs can afford the fast mode; gradient GEMMs
-    cannot: with it a 300-step LM run on the H200 stalled at the uniform
-    loss while the float32-emulated CPU run tracked bf16.
+    ``precise`` asks for ``Precision.HIGHEST``. At default precision XLA
+    turns on cuBLASLt's fp8 *fast accumulation*, whose Hopper tensor-core
+    accumulator is not periodically promoted to float32; HIGHEST keeps the
+    fp8 kernel with float32 promotion (TransformerEngine's "split
+    accumulator", its default for gradient GEMMs, whose contractions run over
+    every token). On CPU both accumulate in float32.
 
     Raises:
       ValueError: operands not fp8, not 2-D, or contracting widths differ.

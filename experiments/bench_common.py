@@ -149,6 +149,9 @@ VARIANTS: Dict[str, dict] = {
     "J-remat-dots": {"kind": "jax", "mode": "remat", "policy": "dots_with_no_batch_dims_saveable",
                      "doc": "jax.checkpoint(block, dots_with_no_batch_dims_saveable) inside the scan"},
     "eae": {"kind": "jax", "mode": "eae", "doc": "reconstruct, boundaries only, no passes"},
+    "eae-sep": {"kind": "jax", "mode": "eae", "boundaries_in_grads": False,
+                "doc": "diagnostic: eae with the boundaries stored apart from the gradient buffers "
+                       "(boundaries_in_grads=False), to show what storing them in the gradient slots saves"},
     "eae-passes": {"kind": "jax", "mode": "eae", "passes": True,
                    "doc": "reconstruct + chain(int8_fake_quant(), clip_by_norm(1.0))"},
     "eae-mp-f32b": {"kind": "jax", "mode": "eae", "mp": True,

@@ -1,7 +1,8 @@
 """Memory, speed, MFU and gradient agreement of a LLaMA-style stack, JAX vs PyTorch, in one run.
 
 Variants (see ``bench_common.VARIANTS``): J-plain, J-remat, J-remat-dots,
-eae (reconstruct, boundaries only), eae-passes (int8 fake-quant + clip),
+eae (reconstruct, boundaries only; eae-sep: stored apart from the gradient
+buffers), eae-passes (int8 fake-quant + clip),
 eae-mp-f32b / eae-mp-bf16b (fp32-master model, fp32 vs bf16 boundaries),
 eae-offload (boundaries in pinned host memory), eae-dots (selective policy),
 T-plain, T-ckpt, T-eae. Configurations: ``medium`` (dim 2048, 16 heads, 4 kv

@@ -66,7 +66,7 @@ def test_rel_err_combination():
     assert out["grad_worst_leaf"] == "a" and out["grad_worst_rel_err"] == pytest.approx(0.5)
 
 
-SMOKE_VARIANTS = "J-plain,J-remat,eae,eae-passes,eae-offload,eae-mp-bf16b,T-eae"
+SMOKE_VARIANTS = "J-plain,J-remat,eae,eae-sep,eae-passes,eae-offload,eae-mp-bf16b,T-eae"
 
 
 @pytest.mark.slow
@@ -101,6 +101,11 @@ def test_bench_smoke_end_to_end(tmp_path):
     assert rows[("medium", "eae-offload")]["grad_rel_err_vs_eae"] < 1e-6
     assert rows[("medium", "eae-offload")]["grad_rel_err_vs_eae_same_process"] < 1e-6
     assert rows[("medium", "eae")]["carry_calls"] == 1.0
+    # the smoke sizes fit a boundary in one block's gradients: eae uses the slots, eae-sep does not
+    assert rows[("medium", "eae")]["boundaries_in_grads"] is True
+    assert rows[("medium", "eae-sep")]["boundaries_in_grads"] is False
+    assert rows[("medium", "eae-sep")]["grad_rel_err"] == pytest.approx(rows[("medium", "eae")]["grad_rel_err"],
+                                                                        rel=1e-6, abs=1e-9)
 
     # one failure and one hang were injected in the sweep: recorded, the rest ran
     assert rows[("sweep-d1", "J-remat")]["status"] == "error"
@@ -112,6 +117,8 @@ def test_bench_smoke_end_to_end(tmp_path):
 
     names = {c["name"]: c for c in doc["targets"]["medium"]}
     assert names["eae-passes time / eae time"]["value"] > 0
+    assert "eae-sep peak" in names["eae-offload peak / (params+grads+block+2 boundaries)"]["note"]
+    assert "info: boundaries saved by storing them in the gradient buffers" in names
     assert names["eae-offload grads vs eae grads, same process (rel err)"]["pass"] is True
     if torch_ok:
         assert names["T-eae time / eae time"]["value"] > 0

@@ -74,7 +74,10 @@ class SeamConfig:
         point's elements lies beyond the fp8 range after scaling.
       check_values: run the in-graph checks (non-finite, saturation,
         detached) and fall back through ``lax.cond``. False: trace-time
-        checks only, fp8 always (no cond, no detaching).
+        checks only, fp8 always (no cond, no detaching). On a GPU each cond
+        reads its predicate back to the host: a reconstruct train step pays
+        3 per seam and layer (forward, recomputation, transposed cond),
+        measured at 12.7 ms of a 93 ms medium step on the H200.
       check_hidden: also check saturation at the FFN's down-projection input
         (static/delayed scaling), falling back for the whole call.
       strict: raise `GuardRefused` instead of falling back (trace-time

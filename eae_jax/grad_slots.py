@@ -102,10 +102,9 @@ def plan(param_leaf_specs, boundary_shape, boundary_dtype) -> Optional[SlotPlan]
 
 
 def _to_bytes(x: jax.Array) -> jax.Array:
-    flat = x.reshape(-1)
-    if flat.dtype.itemsize == 1:
-        return jax.lax.bitcast_convert_type(flat, jnp.uint8)
-    return jax.lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
+    # Wider dtypes gain a trailing byte axis, 1-byte ones do not; the final
+    # reshape flattens either.
+    return jax.lax.bitcast_convert_type(x.reshape(-1), jnp.uint8).reshape(-1)
 
 
 def _from_bytes(b: jax.Array, dtype) -> jax.Array:

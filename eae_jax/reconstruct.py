@@ -402,6 +402,12 @@ class Reconstructed:
         norm_out = _norm(g) if (self.collect_stats and self.passes.name != "identity") else norm_in
         return g, state, norm_in, norm_out
 
+    def _scan_boundary(self, gh, gg, state, boundary, step, num):
+        """`_boundary` inside a reverse scan: a non-float block input passes
+        nothing on, so the carry keeps the incoming adjoint ``gg`` (and its type)."""
+        gh, state, norm_in, norm_out = self._boundary(gh, state, boundary, step, num)
+        return (gg if gh is None else gh), state, norm_in, norm_out
+
     def _backward(self, plist, saved, carry, side, specs, depths, g, layouts):
         tree = carry_lib.decode(carry)
         step = tree["step"]
@@ -420,9 +426,7 @@ class Reconstructed:
                 def body(gg, xs, seg=seg, spec=spec):
                     p_i, res_i, st_i, b = xs
                     gp, gh = self._block_backward(seg, p_i, res_i, gg, spec, side, layouts)
-                    gh, st_i, nin, nout = self._boundary(gh, st_i, b, step, num)
-                    if gh is None:  # non-float input: nothing flows on, keep the carry's type
-                        gh = gg
+                    gh, st_i, nin, nout = self._scan_boundary(gh, gg, st_i, b, step, num)
                     return gh, (gp, st_i, nin, nout)
 
                 idx = off + jnp.arange(n, dtype=jnp.int32)
@@ -468,9 +472,7 @@ class Reconstructed:
             leaves = jax.tree_util.tree_leaves(gp)
             bufs = grad_slots.store_grads(plan, bufs, leaves, i)
             rest = [None if k in chosen else l for k, l in enumerate(leaves)]
-            gh, st_i, nin, nout = self._boundary(gh, st_i, b, step, num)
-            if gh is None:  # non-float input: nothing flows on, keep the carry's type
-                gh = gg
+            gh, st_i, nin, nout = self._scan_boundary(gh, gg, st_i, b, step, num)
             return (gh, bufs), (rest, st_i, nin, nout)
 
         (g_new, bufs), (rest, st, nin, nout) = jax.lax.scan(
@@ -503,9 +505,7 @@ class Reconstructed:
             p_i, st_i, b, nxt = xs
             ahead = fetch(nxt)
             gp, gh = self._vjp_at(seg, p_i, cur.astype(spec.dtype), gg, float_in, side)
-            gh, st_i, nin, nout = self._boundary(gh, st_i, b, step, num)
-            if gh is None:  # non-float input: nothing flows on, keep the carry's type
-                gh = gg
+            gh, st_i, nin, nout = self._scan_boundary(gh, gg, st_i, b, step, num)
             return (gh, ahead), (gp, st_i, nin, nout)
 
         first = offload_lib.to_device(jax.lax.index_in_dim(res, n - 1, axis=0, keepdims=False))

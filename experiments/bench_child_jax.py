@@ -58,20 +58,27 @@ def _compare(jax, jnp, ref, gflat):
     if ref is None:
         return None
     meta, arrays = ref
+
+    def ref_of(name):
+        r = jax.device_put(np.ascontiguousarray(arrays[name]))
+        return jax.lax.bitcast_convert_type(r, jnp.bfloat16) if meta["dtypes"][name] == "bf16bits" else r
+
+    out = _rel_err(jnp, gflat, ref_of)
+    out["loss_ref"] = meta["loss"]
+    return out
+
+
+def _rel_err(jnp, gflat, ref_of):
+    """`bc.combine_rel_err` of the grads ``gflat`` against ``ref_of(name)``,
+    one leaf on the device at a time, in float32."""
     f32 = jnp.float32
     per_leaf = {}
     for name, g in gflat.items():
-        r = np.ascontiguousarray(arrays[name])
-        if meta["dtypes"][name] == "bf16bits":
-            rd = jax.lax.bitcast_convert_type(jax.device_put(r), jnp.bfloat16).astype(f32)
-        else:
-            rd = jax.device_put(r).astype(f32)
+        rd = ref_of(name).astype(f32)
         diff = g.astype(f32) - rd
         per_leaf[name] = (float(jnp.sum(diff * diff)), float(jnp.sum(rd * rd)))
-        del rd, diff, r
-    out = bc.combine_rel_err(per_leaf)
-    out["loss_ref"] = meta["loss"]
-    return out
+        del rd, diff
+    return bc.combine_rel_err(per_leaf)
 
 
 def main(spec_path: str) -> None:
@@ -307,14 +314,12 @@ def _same_process_check(jax, jnp, eae_jax, block, variant, params_sds, x_sds, y_
         return jax.value_and_grad(lambda pp, cc: mse(ref(pp, x, cc), y), argnums=(0,))(p, carry)
 
     loss_ref, (g_ref,) = jax.jit(step)(params, state, x, y)
-    f32 = jnp.float32
-    per_leaf = {}
-    for name, g in gflat.items():
+
+    def ref_of(name):
         mod, leaf = name.split(".")
-        r = g_ref[mod][leaf].astype(f32)
-        d = g.astype(f32) - r
-        per_leaf[name] = (float(jnp.sum(d * d)), float(jnp.sum(r * r)))
-    cmp = bc.combine_rel_err(per_leaf)
+        return g_ref[mod][leaf]
+
+    cmp = _rel_err(jnp, gflat, ref_of)
     return {"grad_rel_err_vs_eae_same_process": cmp["grad_rel_err"],
             "loss_vs_eae_same_process": [loss, float(loss_ref)]}
 

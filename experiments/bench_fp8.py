@@ -18,7 +18,10 @@ Train steps feed their outputs back (real steps, params donated).
 What "fp8" means here: `eae_jax.fp8` seams (e4m3 forward GEMMs on
 ``float8_e4m3fn`` operands, e5m2 gradients with current per-tensor scaling
 in the backward), static calibrated activation scales unless a row says
-otherwise, guards on (one ``lax.cond`` per seam call) unless "unguarded".
+otherwise, guards on (one ``lax.cond`` per seam call) unless "unguarded". The
+e2e step runs every ``--guards`` variant (one ``lax.cond`` per seam call,
+one per block call, none) against one bf16 step, compiled concurrently and
+timed one after another in the same process.
 Cosines are against the bf16 seam (the issue's reference): "bare" on the
 seam output, "boundary" on ``residual + output`` with a N(0, 1) residual
 stream (the seam input is its RMSNorm). The fp8 GEMM count is the number of
@@ -34,6 +37,7 @@ with ``--smoke``), rewritten after every section.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -73,6 +77,8 @@ def hlo_counts(compiled) -> Dict[str, int]:
         "cublas_fp8": text.count('"__cublas$lt$matmul$f8"'),
         "cublas_all": len(re.findall(r'"__cublas\$[^"]*"', text)),
         "triton_gemm": text.count("__triton_gemm"),
+        # Conditionals in the program text (a scan body counts once, not per layer).
+        "conditionals": text.count(" conditional("),
     }
 
 
@@ -85,17 +91,34 @@ def lowered_fp8_dots(lowered) -> int:
     return n
 
 
+def compile_fn(fn: Callable, args: tuple, donate: tuple = ()) -> Dict[str, Any]:
+    """Lower and compile ``fn`` for ``args`` (thread-safe: XLA compiles
+    outside the GIL, so several variants can compile at once)."""
+    t = time.perf_counter()
+    lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+    compiled = lowered.compile()
+    return {"compiled": compiled, "lowered": lowered, "compile_s": time.perf_counter() - t}
+
+
+def compile_all(jobs: Dict[str, tuple]) -> Dict[str, Dict[str, Any]]:
+    """`compile_fn` for ``{name: (fn, args, donate)}``, concurrently."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+        futures = {name: pool.submit(compile_fn, *job) for name, job in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
 def timed(fn: Callable, args: tuple, warmup: int, iters: int, feed: Optional[Callable] = None,
-          donate: tuple = ()) -> Dict[str, Any]:
-    """Compile ``fn`` for ``args``, run it, return timings and HLO counts.
+          donate: tuple = (), built: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Compile ``fn`` for ``args`` (or take ``built`` from `compile_fn`), run
+    it, return timings and HLO counts.
 
     ``feed(args, out) -> args`` makes the next call's arguments from the last
     output (training loops); without it every call gets the same arguments.
     """
-    t = time.perf_counter()
-    lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t
+    built = built or compile_fn(fn, args, donate)
+    compiled, lowered, compile_s = built["compiled"], built["lowered"], built["compile_s"]
     out = None
     for _ in range(warmup):
         out = compiled(*args)
@@ -398,16 +421,22 @@ def e2e_section(args) -> List[Dict[str, Any]]:
                 traceback.print_exc()
                 rows.append({"config": name, "error": f"{type(err).__name__}: {err}"})
                 break
-    print_table("reconstruct train step (ms: median; fp8 = qkv, o and ffn seams)", rows, [
+    table = []
+    for r in rows:
+        for g in r.get("variants", {}) or [None]:
+            table.append({**r, "guard": g, **(r["variants"][g] if g else {})})
+    print_table("reconstruct train step (ms: median; fp8 = qkv, o and ffn seams; guard: where a failed check "
+                "falls back, one lax.cond per seam call / per block call / none)", table, [
         ("config", lambda r: r["config"]),
         ("attention", lambda r: r.get("attention_impl")),
+        ("guard", lambda r: r.get("guard")),
         ("bf16 ms", lambda r: r["bf16"]["median_ms"]),
         ("fp8 ms", lambda r: r["fp8"]["median_ms"]),
         ("speedup", lambda r: r.get("speedup")),
         ("pipe x", lambda r: r.get("speedup_pipelined")),
-        ("bf16 TF/s", lambda r: r.get("bf16_tflops")),
         ("fp8 TF/s", lambda r: r.get("fp8_tflops")),
         ("f8 GEMMs", lambda r: r["fp8"]["hlo"].get("cublas_fp8")),
+        ("conds", lambda r: r["fp8"]["hlo"].get("conditionals")),
         ("gate cos", lambda r: r.get("gate_worst_cos")),
         ("fallbacks", lambda r: r.get("fallbacks")),
         ("error", lambda r: r.get("error", "")[:60] or None),
@@ -415,8 +444,11 @@ def e2e_section(args) -> List[Dict[str, Any]]:
     return rows
 
 
+GUARDS = ("seam", "block", "off")
+
+
 def _e2e_one(args, name, c, impl) -> Dict[str, Any]:
-    log(f"e2e {name}: {c}, attention_impl={impl}")
+    log(f"e2e {name}: {c}, attention_impl={impl}, guards {args.guards}")
     cfg = BlockConfig(dim=c["dim"], num_heads=c["heads"], num_kv_heads=c["kv"], ffn_hidden_dim=c["ffn"],
                       compute_dtype="bf16", max_seq_len=c["seq"], attention_impl=impl)
     keys = jax.random.split(jax.random.key(0), 4)
@@ -427,51 +459,75 @@ def _e2e_one(args, name, c, impl) -> Dict[str, Any]:
     tokens = c["batch"] * c["seq"]
     flops = 4.0 * tokens * c["depth"] * cfg.block_flops_per_token(c["seq"])  # fwd + recompute + 2x bwd
 
+    seams = fp8.block_seams(config=fp8.SeamConfig(act_scaling=args.scaling))
+    t = time.perf_counter()
+    bound = fp8.bind_block(cfg, params, [x_cal], seams)
+    bind_s = time.perf_counter() - t
+    log(f"  bind_block {bind_s:.0f} s, worst gate cos "
+        + ", ".join(f"{n} {cc['worst_cos']:.6f}" for n, cc in bound.certification.items()))
+    # One calibration for every guard variant: they differ only in how a
+    # failed check falls back (the scales and the gate are the same).
+    variants = {}
+    for g in args.guards:
+        if g == "off":
+            variants[g] = dataclasses.replace(
+                bound, seams={n: sm.replace(check_values=False) for n, sm in bound.seams.items()})
+        else:
+            variants[g] = bound.with_fallback(g)
+
     stack = eae_jax.reconstruct(decoder_block(cfg))
 
     def step_bf16(params, x, ct):
         loss, g = jax.value_and_grad(lambda p: jnp.mean(stack(p, x).astype(jnp.float32) * ct))(params)
         return _sgd(params, g), loss
 
-    bf = timed(step_bf16, (params, x, ct), args.warmup, args.iters,
-               feed=lambda a, out: (out[0],) + tuple(a[1:]), donate=(0,))
-    log(f"  bf16 step {bf['median_ms']:.1f} ms (compile {bf['compile_s']:.0f} s)")
-    params = bf["args"][0]
-    del bf["args"]
+    def step_fp8_of(b):
+        stack8 = eae_jax.reconstruct(b.block_fn())
 
-    seams = fp8.block_seams(config=fp8.SeamConfig(act_scaling=args.scaling, check_values=not args.unguarded))
+        def step_fp8(params, state, x, ct):
+            def loss_fn(params, state):
+                return jnp.mean(stack8({"params": params, "fp8": state}, x).astype(jnp.float32) * ct)
+
+            loss, (gp, gs) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, state)
+            return _sgd(params, gp), b.fold(state, gs), loss
+
+        return step_fp8
+
+    # Each variant trains its own copy of the params (the step donates them).
+    copies = {g: jax.tree_util.tree_map(jnp.copy, params) for g in variants}
+    jobs = {"bf16": (step_bf16, (params, x, ct), (0,))}
+    jobs.update({g: (step_fp8_of(b), (copies[g], b.state, x, ct), (0,)) for g, b in variants.items()})
     t = time.perf_counter()
-    bound = fp8.bind_block(cfg, params, [x_cal], seams)
-    bind_s = time.perf_counter() - t
-    log(f"  bind_block {bind_s:.0f} s, worst gate cos "
-        + ", ".join(f"{n} {cc['worst_cos']:.6f}" for n, cc in bound.certification.items()))
-    stack8 = eae_jax.reconstruct(bound.block_fn())
+    built = compile_all(jobs)
+    log(f"  compiled {len(jobs)} steps concurrently in {time.perf_counter() - t:.0f} s")
 
-    def step_fp8(params, state, x, ct):
-        def loss_fn(params, state):
-            return jnp.mean(stack8({"params": params, "fp8": state}, x).astype(jnp.float32) * ct)
-
-        loss, (gp, gs) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, state)
-        return _sgd(params, gp), bound.fold(state, gs), loss
-
-    f8 = timed(step_fp8, (params, bound.state, x, ct), args.warmup, args.iters,
-               feed=lambda a, out: (out[0], out[1]) + tuple(a[2:]), donate=(0,))
-    log(f"  fp8 step {f8['median_ms']:.1f} ms (compile {f8['compile_s']:.0f} s)")
-    state = f8["out"][1]
-    report = bound.report(state)
-    steps = f8["calls"]
-    calls_ok = all(e["calls"] == steps for e in report)
-    row = {"config": name, **c, "attention_impl": impl, "bf16": strip(bf), "fp8": strip(f8),
-           "bf16_loss_last": float(bf["out"][1]), "fp8_loss_last": float(f8["out"][2]),
-           "speedup": bf["median_ms"] / f8["median_ms"],
-           "speedup_pipelined": bf["pipelined_ms"] / f8["pipelined_ms"],
-           "bf16_tflops": flops / bf["median_ms"] / 1e9, "fp8_tflops": flops / f8["median_ms"] / 1e9,
+    bf = timed(step_bf16, (params, x, ct), args.warmup, args.iters,
+               feed=lambda a, out: (out[0],) + tuple(a[1:]), donate=(0,), built=built["bf16"])
+    log(f"  bf16 step {bf['median_ms']:.1f} ms")
+    del bf["args"]
+    row = {"config": name, **c, "attention_impl": impl, "bf16": strip(bf), "bf16_loss_last": float(bf["out"][1]),
+           "bf16_tflops": flops / bf["median_ms"] / 1e9,
            "bind_s": bind_s, "gate_worst_cos": min(cc["worst_cos"] for cc in bound.certification.values()),
            "gate_bare_cos": {n: min(cc["bare_cos_per_layer"]) for n, cc in bound.certification.items()},
            "all_fp8_block_cos_min": min(bound.certification["ffn"]["all_fp8_block_cos_per_layer"]),
-           "fallbacks": sum(e["fallbacks"] for e in report), "calls_exact": calls_ok,
-           "fp8_fraction": sum(e["fp8_calls"] for e in report) / max(1, sum(e["calls"] for e in report)),
-           "scaling": args.scaling, "guarded": not args.unguarded}
+           "scaling": args.scaling, "variants": {}}
+    for g, b in variants.items():
+        f8 = timed(None, (copies[g], b.state, x, ct), args.warmup, args.iters,
+                   feed=lambda a, out: (out[0], out[1]) + tuple(a[2:]), donate=(0,), built=built[g])
+        log(f"  fp8 step, guard {g}: {f8['median_ms']:.1f} ms")
+        state = f8["out"][1]
+        report = b.report(state)
+        steps = f8["calls"]
+        del f8["args"]
+        row["variants"][g] = {
+            "fp8": strip(f8), "fp8_loss_last": float(f8["out"][2]),
+            "speedup": bf["median_ms"] / f8["median_ms"],
+            "speedup_pipelined": bf["pipelined_ms"] / f8["pipelined_ms"],
+            "fp8_tflops": flops / f8["median_ms"] / 1e9,
+            "fallbacks": sum(e["fallbacks"] for e in report),
+            "calls_exact": all(e["calls"] == steps for e in report),
+            "fp8_fraction": sum(e["fp8_calls"] for e in report) / max(1, sum(e["calls"] for e in report)),
+        }
     return row
 
 
@@ -613,8 +669,9 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, CI): checks the script runs")
     ap.add_argument("--configs", default="medium,7b", help="e2e configs: comma list of medium,7b")
     ap.add_argument("--scaling", default="static", choices=fp8.seams.SCALINGS, help="e2e activation scaling")
-    ap.add_argument("--unguarded", action="store_true",
-                    help="e2e: seams without in-graph checks (no lax.cond; measures the guards' cost)")
+    ap.add_argument("--guards", default="seam,block,off",
+                    help="e2e: comma list of guard variants timed against one bf16 step: 'seam' (a lax.cond "
+                         "per seam call), 'block' (a lax.cond per block call), 'off' (no in-graph checks)")
     ap.add_argument("--train-scaling", default="delayed", choices=fp8.seams.SCALINGS,
                     help="activation scaling for the training run (delayed follows drifting activations)")
     ap.add_argument("--train-steps", type=int, default=300)
@@ -628,6 +685,10 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out", default=None, help="output folder (default $OUT or experiments/results)")
     args = ap.parse_args(argv)
+    args.guards = [g for g in args.guards.split(",") if g]
+    unknown = [g for g in args.guards if g not in GUARDS]
+    if unknown or not args.guards:
+        ap.error(f"--guards: unknown {unknown}; expected a comma list of {GUARDS}")
     if args.warmup is None:
         args.warmup = 1 if args.smoke else 3
     if args.iters is None:
@@ -674,8 +735,8 @@ def summary(results: Dict[str, Any]) -> None:
                      "fwd x": r.get("fwd_speedup"), "f+b x": r.get("fb_speedup"),
                      "cos bare": r.get("cos_bare"), "cos boundary": r.get("cos_boundary")})
     for r in results.get("e2e", []) if isinstance(results.get("e2e"), list) else []:
-        if "error" not in r:
-            rows.append({"what": f"reconstruct step {r['config']}", "f+b x": r["speedup"],
+        for g, v in r.get("variants", {}).items():
+            rows.append({"what": f"reconstruct step {r['config']}, guard {g}", "f+b x": v["speedup"],
                          "cos boundary": r["gate_worst_cos"]})
     tr = results.get("train")
     if isinstance(tr, dict) and "error" not in tr:

@@ -36,8 +36,12 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
     assert ours["fwd"]["median_ms"] > 0 and ours["fb"]["median_ms"] > 0
     (e2e,) = res["e2e"]
     assert "error" not in e2e, e2e
-    assert e2e["calls_exact"] and e2e["fallbacks"] == 0 and e2e["fp8_fraction"] == 1.0
-    assert e2e["gate_worst_cos"] >= 0.999 and e2e["fp8"]["lowered_fp8_dots"] > 0
+    assert e2e["gate_worst_cos"] >= 0.999 and set(e2e["variants"]) == {"seam", "block", "off"}
+    for g, v in e2e["variants"].items():
+        assert v["calls_exact"] and v["fallbacks"] == 0 and v["fp8_fraction"] == 1.0, g
+        assert v["fp8"]["lowered_fp8_dots"] > 0 and v["fp8"]["median_ms"] > 0
+    conds = {g: v["fp8"]["hlo"]["conditionals"] for g, v in e2e["variants"].items()}
+    assert conds == {"seam": 9, "block": 3, "off": 0}  # three seams; forward, recomputation, transpose
     train = res["train"]
     assert train["within_2pct"], train
     assert train["fp8"]["ledger"]["fp8_calls"] > 0.9 * train["fp8"]["ledger"]["calls"]

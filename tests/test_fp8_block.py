@@ -129,3 +129,102 @@ def test_policy_seams():
     assert list(fp8.policy_seams(eae_jax.DTypePolicy.from_name("fp8_e4m3"), ("ffn",))) == ["ffn"]
     with pytest.raises(ValueError, match="e4m3"):
         fp8.policy_seams(eae_jax.DTypePolicy.from_name("fp8_e5m2"))
+
+
+# ---------------------------------------------------------------------- block-level fallback
+def _saturating_ffn(bound, layer):
+    """States whose FFN input scale at ``layer`` is far too small: that call saturates."""
+    scales = np.array(bound.state["ffn"].scales)
+    scales[layer, 0] /= 1e4
+    state = dict(bound.state)
+    state["ffn"] = state["ffn"]._replace(scales=jnp.asarray(scales))
+    return state
+
+
+def _count_conditionals(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).compile().as_text().count(" conditional(")
+
+
+def test_block_fallback_without_failures_equals_seam_fallback(setup):
+    cfg, params, x, bound = setup
+    seam_mode = plain_stack(bound.block_fn(), bound.params(params), x)
+    block_mode = plain_stack(bound.with_fallback("block").block_fn(), bound.params(params), x)
+    np.testing.assert_array_equal(np.asarray(block_mode.astype(jnp.float32)),
+                                  np.asarray(seam_mode.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("fallback", ["seam", "block"])
+def test_saturating_seam_falls_back_at_its_granularity_under_reconstruct(setup, fallback):
+    cfg, params, x, bound = setup
+    bound = bound.with_fallback(fallback)
+    layer = 1
+    state = _saturating_ffn(bound, layer)
+    ct = jax.random.normal(jax.random.key(7), x.shape)
+    stack8 = eae_jax.reconstruct(bound.block_fn())
+
+    def loss8(p):
+        return jnp.mean(stack8(p, x).astype(jnp.float32) * ct)
+
+    l8, g8 = jax.jit(jax.value_and_grad(loss8))(bound.params(params, state))
+    new = bound.fold(state, g8["fp8"], notify=False)
+    rep = {e["seam"]: e for e in bound.report(new)}
+    assert rep[f"ffn[{layer}]"]["by_reason"] == {"saturation": 1}
+    assert rep[f"ffn[{layer}]"]["consecutive"] == 1
+    for name in ("qkv", "o"):
+        e = rep[f"{name}[{layer}]"]
+        if fallback == "block":
+            assert e["by_reason"] == {"block": 1} and e["fp8_calls"] == 0
+            assert e["consecutive"] == 0 and e["last_reason"] == "block"
+        else:
+            assert e["fallbacks"] == 0 and e["fp8_calls"] == 1
+    for i in (0, 2):
+        assert all(rep[f"{n}[{i}]"]["fp8_calls"] == 1 for n in ("qkv", "o", "ffn"))
+
+    # Block-level: layer 1 is the high-precision block, bit for bit, in the
+    # forward and in its gradients (the other layers stay fp8 in both runs).
+    if fallback == "block":
+        hp_layer = {n: s for n, s in state.items()}
+        for n in hp_layer:
+            det = np.array(hp_layer[n].ledger.detached)
+            det[layer] = 1.0
+            hp_layer[n] = hp_layer[n]._replace(ledger=hp_layer[n].ledger._replace(detached=jnp.asarray(det)))
+        l_ref, g_ref = jax.jit(jax.value_and_grad(loss8))(bound.params(params, hp_layer))
+        assert float(l8) == float(l_ref)
+        for a, b in zip(jax.tree_util.tree_leaves(g8["params"]), jax.tree_util.tree_leaves(g_ref["params"])):
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_block_fallback_takes_a_third_of_the_conditionals(setup):
+    cfg, params, x, bound = setup
+    ct = jax.random.normal(jax.random.key(7), x.shape)
+
+    def step_of(b):
+        stack8 = eae_jax.reconstruct(b.block_fn())
+        return jax.grad(lambda p: jnp.mean(stack8(p, x).astype(jnp.float32) * ct))
+
+    p = bound.params(params)
+    per_seam = _count_conditionals(step_of(bound), p)
+    per_block = _count_conditionals(step_of(bound.with_fallback("block")), p)
+    # forward scan body: 1 per decision; reverse scan body: recomputation + transpose
+    assert per_block == 3 and per_seam == 9
+
+
+def test_block_reason_never_detaches_an_innocent_seam():
+    ledger = fp8.init_ledger(1)
+    block = fp8.ledger.increments(jnp.int32(fp8.ledger.BLOCK_REASON), jnp.ones((1,)))
+    own = fp8.ledger.increments(jnp.int32(fp8.REASONS.index("saturation")), jnp.ones((1,)))
+    innocent, guilty = ledger, ledger
+    for _ in range(5):
+        innocent = fp8.fold(innocent, block, detach_after=3)
+        guilty = fp8.fold(guilty, own, detach_after=3)
+    assert float(innocent.consecutive) == 0 and float(innocent.detached) == 0
+    assert float(innocent.calls) == 5 and float(innocent.fp8_calls) == 0
+    assert float(guilty.consecutive) == 5 and float(guilty.detached) == 1
+
+
+def test_unknown_fallback_granularity_is_named(setup):
+    cfg, params, x, bound = setup
+    with pytest.raises(ValueError, match="unknown fallback granularity 'layer'"):
+        bound.with_fallback("layer")
+    with pytest.raises(ValueError, match="expected one of \\('seam', 'block'\\)"):
+        fp8.fp8_block(cfg, bound.seams, fallback="step")

@@ -35,6 +35,7 @@ equals the plain block bit for bit).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax
@@ -131,43 +132,30 @@ def _check_p(p, seams):
         raise ValueError(f"fp8 block: no state for seam(s) {missing} (have {sorted(p['fp8'])})")
 
 
-def fp8_block(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None) -> Callable:
-    """The pure block ``block(p, x)`` with fp8 seams, counted through the VJP.
+FALLBACKS = ("seam", "block")
 
-    Args:
-      cfg: the block configuration (its ``compute_dtype`` casts params and
-        input as in `decoder_block`; seam states are never cast).
-      seams: from `block_seams` (regions not listed run in high precision).
-      monitor: `LedgerMonitor` for trace-time warnings.
 
-    Returns:
-      ``block(p, x) -> (batch, seq, dim)`` with ``p = {'params', 'fp8'}``.
+def _check_fallback(fallback: str) -> str:
+    if fallback not in FALLBACKS:
+        raise ValueError(f"unknown fallback granularity {fallback!r}; expected one of {FALLBACKS}")
+    return fallback
+
+
+def _hp_runner(name, sub, h):
+    return _hp(name, sub, h)
+
+
+def _run(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, monitor, fallback: str):
+    """The block on cast ``(params, x)``: ``(y, {seam name: ledger increments})``.
+
+    ``fallback='seam'``: each seam call decides (one ``lax.cond`` per seam).
+    ``fallback='block'``: every seam attempts fp8; one ``lax.cond`` per block
+    call replaces the whole block's output by the high-precision block when
+    any seam's check failed. The seams that did not fail are then counted as
+    fallbacks with reason ``'block'``.
     """
-
-    def block(p, x):
-        _check_p(p, seams)
-        params, x = _cast(cfg, p["params"], x)
-        states = p["fp8"]
-
-        def runner(name, sub, h):
-            if name in seams:
-                return seams_lib.apply(seams[name], states[name], sub, h, monitor)
-            return _hp(name, sub, h)
-
-        return _inner_block(cfg, runner)(params, x)
-
-    block.__name__ = f"fp8_block_{'_'.join(seams) or 'none'}"
-    return block
-
-
-def fp8_block_with_ledger(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None) -> Callable:
-    """Like `fp8_block` but ``block(p, x) -> (y, increments)`` (a dict of
-    `Ledger` increments per seam) for inference without a VJP."""
-
-    def block(p, x):
-        _check_p(p, seams)
-        params, x = _cast(cfg, p["params"], x)
-        states = p["fp8"]
+    inner = _inner_block(cfg, _hp_runner)
+    if fallback == "seam":
         incs = {}
 
         def runner(name, sub, h):
@@ -178,6 +166,82 @@ def fp8_block_with_ledger(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None
 
         y = _inner_block(cfg, runner)(params, x)
         return y, dict(incs)
+
+    attempts = {}
+
+    def runner(name, sub, h):
+        if name in seams:
+            attempts[name] = a = seams_lib.attempt(seams[name], states[name], sub, h, monitor)
+            return seams_lib.split_output(seams[name], sub, a.y)
+        return _hp(name, sub, h)
+
+    y8 = _inner_block(cfg, runner)(params, x)
+    deciding = [n for n, a in attempts.items() if a.trace_reason is None and seams_lib._can_fall_back(seams[n])]
+    if not deciding:
+        return y8, {n: seams_lib.attempt_increments(a) for n, a in attempts.items()}
+    own = {n: attempts[n].code >= 0 for n in deciding}
+    bad = functools.reduce(jnp.logical_or, own.values())
+    y = seams_lib.fall_back_if(bad, y8, inner, params, x)
+    block_code = jnp.where(bad, ledger_lib.BLOCK_REASON, -1).astype(jnp.int32)
+    incs = {}
+    for n, a in attempts.items():
+        if a.trace_reason is not None:
+            incs[n] = seams_lib.attempt_increments(a)
+        else:
+            incs[n] = seams_lib.attempt_increments(a, jnp.where(a.code >= 0, a.code, block_code))
+    return y, incs
+
+
+def fp8_block(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None, fallback: str = "seam") -> Callable:
+    """The pure block ``block(p, x)`` with fp8 seams, counted through the VJP.
+
+    Args:
+      cfg: the block configuration (its ``compute_dtype`` casts params and
+        input as in `decoder_block`; seam states are never cast).
+      seams: from `block_seams` (regions not listed run in high precision).
+      monitor: `LedgerMonitor` for trace-time warnings.
+      fallback: where a failed value check sends the computation back to
+        high precision. ``'seam'``: that seam call only (one ``lax.cond``
+        per seam call). ``'block'``: the whole block call (one ``lax.cond``
+        per block call; the other seams' calls count as fallbacks with
+        reason ``'block'``, which neither extends their run of consecutive
+        fallbacks nor detaches them). On a GPU every cond waits for its
+        predicate on the host; a reconstruct train step runs each block
+        three times (forward, recomputation, transposed cond), so with the
+        three block seams ``'block'`` takes 3 conds per layer instead of 9.
+        A detached seam makes every call of its block fall back under
+        ``'block'``: rebind without it to keep the others in fp8.
+
+    Returns:
+      ``block(p, x) -> (batch, seq, dim)`` with ``p = {'params', 'fp8'}``.
+
+    Raises:
+      ValueError: an unknown ``fallback``.
+    """
+    _check_fallback(fallback)
+
+    def block(p, x):
+        _check_p(p, seams)
+        params, x = _cast(cfg, p["params"], x)
+        states = p["fp8"]
+        y, incs = _run(cfg, seams, states, params, x, monitor, fallback)
+        for n in seams:
+            y = ledger_lib.count(y, states[n].ledger, incs[n])
+        return y
+
+    block.__name__ = f"fp8_block_{'_'.join(seams) or 'none'}"
+    return block
+
+
+def fp8_block_with_ledger(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None, fallback: str = "seam") -> Callable:
+    """Like `fp8_block` but ``block(p, x) -> (y, increments)`` (a dict of
+    `Ledger` increments per seam) for inference without a VJP."""
+    _check_fallback(fallback)
+
+    def block(p, x):
+        _check_p(p, seams)
+        params, x = _cast(cfg, p["params"], x)
+        return _run(cfg, seams, p["fp8"], params, x, monitor, fallback)
 
     return block
 
@@ -204,6 +268,7 @@ class BoundBlock:
       certification: name -> dict (dims, per-layer scales, worst boundary
         and bare cosines per layer, samples, percentile, gate).
       monitor: host-side `LedgerMonitor`.
+      fallback: ``'seam'`` or ``'block'`` (see `fp8_block`).
     """
 
     cfg: BlockConfig
@@ -211,14 +276,22 @@ class BoundBlock:
     state: Dict[str, SeamState]
     certification: Dict[str, dict]
     monitor: ledger_lib.LedgerMonitor = dataclasses.field(default_factory=ledger_lib.LedgerMonitor, compare=False)
+    fallback: str = "seam"
+
+    def __post_init__(self):
+        _check_fallback(self.fallback)
 
     def block_fn(self) -> Callable:
         """`fp8_block` for these seams (counts through the VJP)."""
-        return fp8_block(self.cfg, self.seams, self.monitor)
+        return fp8_block(self.cfg, self.seams, self.monitor, self.fallback)
 
     def block_fn_with_ledger(self) -> Callable:
         """`fp8_block_with_ledger` for these seams."""
-        return fp8_block_with_ledger(self.cfg, self.seams, self.monitor)
+        return fp8_block_with_ledger(self.cfg, self.seams, self.monitor, self.fallback)
+
+    def with_fallback(self, fallback: str) -> "BoundBlock":
+        """The same bound block deciding fallbacks per ``'seam'`` or per ``'block'`` call."""
+        return dataclasses.replace(self, fallback=_check_fallback(fallback))
 
     def params(self, block_params: Any, state: Optional[Dict[str, SeamState]] = None) -> dict:
         """``{'params': block_params, 'fp8': state (default: the bound one)}``."""
@@ -268,6 +341,7 @@ def bind_block(
     percentile: float = 99.9,
     gate_cos: Optional[float] = None,
     scales: Optional[Dict[str, Any]] = None,
+    fallback: str = "seam",
 ) -> BoundBlock:
     """Calibrate and gate fp8 seams for every layer of a (stacked) block.
 
@@ -281,6 +355,8 @@ def bind_block(
       percentile: per-sample amax reduced across samples at this percentile.
       gate_cos: threshold (default each seam's ``config.gate_cos``; 0 off).
       scales: override per seam name, ``(depth, points)`` (or ``(points,)``).
+      fallback: ``'seam'`` or ``'block'``: how the bound block falls back
+        (see `fp8_block`).
 
     Returns:
       A `BoundBlock` whose ``state`` has a leading depth axis (depth 1 for
@@ -291,6 +367,7 @@ def bind_block(
       ValueError: bad params/inputs.
       GateRefused: a seam misses the gate at some layer (all failures listed).
     """
+    _check_fallback(fallback)
     seams = block_seams() if seams is None else dict(seams)
     depth = _depth_of(cfg, params)
     stacked = params if depth is not None else jax.tree_util.tree_map(lambda a: a[None], params)
@@ -393,7 +470,7 @@ def bind_block(
         ledger = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (depth,) + a.shape),
                                         ledger_lib.init_ledger(seam.points))
         state[n] = SeamState(jnp.asarray(used[n], jnp.float32), ledger)
-    return BoundBlock(cfg, seams, state, cert)
+    return BoundBlock(cfg, seams, state, cert, fallback=fallback)
 
 
 def init_block_state(seams: Dict[str, Seam], depth: int, scales: Optional[Dict[str, Any]] = None) -> Dict[str, SeamState]:

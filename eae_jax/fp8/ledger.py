@@ -21,8 +21,9 @@ counts get out of a compiled step without double counting:
 Increments are additive (calls, fp8 calls, a count per reason, amax), so a
 ledger that several calls share in one step still gets exact totals. What
 is derived in `fold` from one step's increments: ``consecutive`` (run of
-calls that fell back; reset by a step with any fp8 call, so a step mixing
-both resets it — the conservative choice), ``detached`` (set for good once
+calls that fell back for a reason of the seam's own, i.e. not ``'block'``;
+reset by a step with any fp8 call, so a step mixing both resets it — the
+conservative choice), ``detached`` (set for good once
 ``consecutive`` reaches ``detach_after``; the seam then takes its
 high-precision path) and ``last_reason`` (the highest-numbered reason seen
 in the step). With one call per ledger per step, the usual per-layer
@@ -58,9 +59,13 @@ REASONS = (
     "rows",               # trace time: row count outside the contract's bounds
     "device",             # trace time: platform without fp8 GEMMs, or not allowed
     "detached",           # the seam detached itself after too many consecutive fallbacks
+    "block",              # another seam of the same block call fell back (block-level fallback)
 )
 VALUE_REASONS = REASONS[:3]
 TRACE_REASONS = REASONS[3:6]
+#: A fallback for this reason is not the seam's own: it neither extends the
+#: seam's run of consecutive fallbacks nor can detach it.
+BLOCK_REASON = REASONS.index("block")
 NUM_REASONS = len(REASONS)
 
 
@@ -180,7 +185,7 @@ def fold(ledger: Ledger, inc: Ledger, detach_after: Optional[int] = 32) -> Ledge
     calls = ledger.calls + inc.calls
     fp8_calls = ledger.fp8_calls + inc.fp8_calls
     reasons = ledger.reasons + inc.reasons
-    fell_back = inc.calls - inc.fp8_calls
+    fell_back = inc.calls - inc.fp8_calls - inc.reasons[..., BLOCK_REASON]
     consecutive = jnp.where(inc.fp8_calls > 0, 0.0, ledger.consecutive + fell_back)
     if detach_after:
         detached = jnp.maximum(ledger.detached, (consecutive >= detach_after).astype(jnp.float32))
@@ -255,8 +260,10 @@ class LedgerMonitor:
             for reason, n in e["by_reason"].items():
                 if reason == "detached":
                     continue
+                why = ("because another seam of the same block call fell back" if reason == "block"
+                       else f"({reason})")
                 self._say((e["seam"], reason),
-                          f"eae_jax.fp8: seam {e['seam']!r} fell back to high precision ({reason}); "
+                          f"eae_jax.fp8: seam {e['seam']!r} fell back to high precision {why}; "
                           f"{n} such call(s) so far. Further ones are counted in report() and not repeated here.")
             if e["detached"]:
                 self._say((e["seam"], "detached"),

@@ -385,13 +385,45 @@ def contract(seam: Seam, width: int) -> Contract:
                     platforms=c.platforms, min_compute_capability=c.min_compute_capability)
 
 
-def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -> Tuple[jax.Array, ledger_lib.Ledger]:
-    """One guarded call: ``(fused output, ledger increments)``."""
+class Attempt(NamedTuple):
+    """One seam call's fp8 attempt, before anything decides to fall back.
+
+    Attributes:
+      y: the fused output: fp8, or high precision when ``trace_reason`` is set.
+      code: int32 scalar: -1 when the fp8 result may stand, else the index
+        of the reason (`eae_jax.fp8.ledger.REASONS`) to fall back; always -1
+        for a trace-time fallback (already high precision), strict mode
+        (the host raises instead) and unchecked seams.
+      amax: ``(points,)`` float32 amax observed at the quantization points.
+      trace_reason: the trace-time fallback's reason index, or None.
+    """
+
+    y: jax.Array
+    code: jax.Array
+    amax: jax.Array
+    trace_reason: Optional[int]
+
+
+def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=None) -> Attempt:
+    """Run a seam's fp8 path with its checks, without falling back.
+
+    Trace-time problems (`eae_jax.fp8.guards.trace_check`) are settled here:
+    the high-precision path is traced instead (or, strict, `GuardRefused`).
+    Value problems are only detected: ``code`` says whether and why the
+    caller must replace ``y`` by the high-precision result. `apply` does so
+    per seam call; `eae_jax.fp8.fp8_block` with ``fallback='block'`` once
+    per block call.
+
+    Raises:
+      TypeError: ``state`` is not a `SeamState`.
+      GuardRefused: wrong width / non-float input; a trace-time problem in
+        strict mode.
+    """
     cfg = seam.config
     if not isinstance(state, SeamState):
         raise TypeError(f"seam {seam.name!r}: state must be a SeamState, got {type(state).__name__}")
     width = input_width(seam, params)
-    zeros_amax = jnp.zeros((seam.points,), jnp.float32)
+    no_fallback = jnp.int32(-1)
     try:
         problem = trace_check(contract(seam, width), x)
     except GuardRefused as err:
@@ -402,7 +434,8 @@ def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -
             raise GuardRefused(f"eae_jax.fp8: seam {seam.name!r} refused at trace time (strict): {reason}: {detail}")
         if monitor is not None:
             monitor.trace_fallback(seam.name, reason, detail)
-        return high_precision(seam, params, x), ledger_lib.increments(ledger_lib.reason_index(reason), zeros_amax)
+        return Attempt(high_precision(seam, params, x), no_fallback, jnp.zeros((seam.points,), jnp.float32),
+                       ledger_lib.reason_index(reason))
 
     lead = x.shape[:-1]
     fmax = fp8_max(E4M3)
@@ -412,12 +445,12 @@ def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -
 
     # The fp8 path runs unconditionally and the checks are reductions over the
     # same values it quantizes, so XLA can fuse them into the quantizing
-    # kernels. One lax.cond at the end replaces the result by the
-    # high-precision one when a check failed: a single branch point per call
-    # (on GPU every cond waits for its predicate on the host), and the
-    # common path pays no extra pass. A fallback wastes the fp8 work, which
-    # is fine for something that should be rare (a detached seam keeps
-    # paying it: drop the seam from the block to stop that).
+    # kernels; the caller's single lax.cond afterwards replaces the result
+    # when a check failed (on GPU every cond waits for its predicate on the
+    # host, so there is one branch point per decision, and the common path
+    # pays no extra pass). A fallback wastes the fp8 work, which is fine for
+    # something that should be rare (a detached seam keeps paying it: drop
+    # the seam from the block to stop that).
     x2 = x.reshape(-1, width)
     groups = _groups(seam, params)
     amax_in, sat_in = value_stats(x2, scales[0] if static else None, fmax)
@@ -430,7 +463,7 @@ def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -
     y8 = y2.reshape(lead + (y2.shape[-1],))
     amax = amax_in[None] if amax_h is None else jnp.stack([amax_in, amax_h])
     if not cfg.check_values:
-        return y8, ledger_lib.increments(jnp.int32(-1), amax)
+        return Attempt(y8, no_fallback, amax, None)
 
     code = jnp.where(sat_in > thr, ledger_lib.reason_index("saturation"), -1)
     if sat_h is not None and cfg.check_hidden:
@@ -438,23 +471,50 @@ def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -
     code = jnp.where(~jnp.isfinite(amax_in), ledger_lib.reason_index("nonfinite"), code).astype(jnp.int32)
     if cfg.strict:
         ledger_lib.strict_check(seam.name, code)
-        # Nothing fell back: the call ran fp8 or the host raised.
-        return y8, ledger_lib.increments(jnp.int32(-1), amax)
-
+        # Nothing falls back: the call ran fp8 or the host raised.
+        return Attempt(y8, no_fallback, amax, None)
     code = jnp.where(state.ledger.detached > 0, ledger_lib.reason_index("detached"), code).astype(jnp.int32)
+    return Attempt(y8, code, amax, None)
 
-    def keep(operands):
-        return operands[0]
 
-    def fall_back(operands):
-        _, params_, x_ = operands
-        # Rematerialized: the fallback's residuals are its inputs only, so a
-        # path that rarely runs does not double the memory of the fp8 one.
-        return jax.checkpoint(functools.partial(high_precision, seam))(params_, x_)
+def attempt_increments(a: Attempt, code: Optional[jax.Array] = None) -> ledger_lib.Ledger:
+    """The ledger increments of an attempt, with ``code`` (default ``a.code``)
+    the reason it finally ran high precision (-1: it ran fp8)."""
+    if a.trace_reason is not None:
+        return ledger_lib.increments(jnp.int32(a.trace_reason), a.amax)
+    return ledger_lib.increments(a.code if code is None else code, a.amax)
 
+
+def fall_back_if(bad: jax.Array, y: jax.Array, high_precision_fn, *operands) -> jax.Array:
+    """``high_precision_fn(*operands)`` when ``bad``, else ``y``: one ``lax.cond``.
+
+    The fallback is rematerialized (its residuals are its operands only), so
+    a path that rarely runs does not add its activations to the memory of
+    the fp8 one.
+    """
+
+    def keep(ops):
+        return ops[0]
+
+    def fall_back(ops):
+        return jax.checkpoint(high_precision_fn)(*ops[1:])
+
+    return jax.lax.cond(bad, fall_back, keep, (y,) + operands)
+
+
+def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -> Tuple[jax.Array, ledger_lib.Ledger]:
+    """One guarded call: ``(fused output, ledger increments)``."""
+    a = attempt(seam, state, params, x, monitor)
+    if a.trace_reason is not None or not _can_fall_back(seam):
+        return a.y, attempt_increments(a)
     hp_params = params.hp if isinstance(params, FrozenParams) else params
-    y = jax.lax.cond(code < 0, keep, fall_back, (y8, hp_params, x))
-    return y, ledger_lib.increments(code, amax)
+    y = fall_back_if(a.code >= 0, a.y, functools.partial(high_precision, seam), hp_params, x)
+    return y, attempt_increments(a)
+
+
+def _can_fall_back(seam: Seam) -> bool:
+    """Whether the seam's attempt can ask for a fallback in the graph."""
+    return seam.config.check_values and not seam.config.strict
 
 
 # ---------------------------------------------------------------------- public calls

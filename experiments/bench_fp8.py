@@ -20,8 +20,9 @@ What "fp8" means here: `eae_jax.fp8` seams (e4m3 forward GEMMs on
 in the backward), static calibrated activation scales unless a row says
 otherwise, guards on (one ``lax.cond`` per seam call) unless "unguarded". The
 e2e step runs every ``--guards`` variant (one ``lax.cond`` per seam call,
-one per block call, none) against one bf16 step, compiled concurrently and
-timed one after another in the same process.
+one per block call, none) against one bf16 step, compiled one by one and
+timed in the same process (a medium step compiles in about 100 s on the
+H200: give each config its own device call).
 Cosines are against the bf16 seam (the issue's reference): "bare" on the
 seam output, "boundary" on ``residual + output`` with a N(0, 1) residual
 stream (the seam input is its RMSNorm). The fp8 GEMM count is the number of
@@ -92,8 +93,7 @@ def lowered_fp8_dots(lowered) -> int:
 
 
 def compile_fn(fn: Callable, args: tuple, donate: tuple = ()) -> Dict[str, Any]:
-    """Lower and compile ``fn`` for ``args`` (thread-safe: XLA compiles
-    outside the GIL, so several variants can compile at once)."""
+    """Lower and compile ``fn`` for ``args``."""
     t = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
     compiled = lowered.compile()
@@ -101,12 +101,18 @@ def compile_fn(fn: Callable, args: tuple, donate: tuple = ()) -> Dict[str, Any]:
 
 
 def compile_all(jobs: Dict[str, tuple]) -> Dict[str, Dict[str, Any]]:
-    """`compile_fn` for ``{name: (fn, args, donate)}``, concurrently."""
-    from concurrent.futures import ThreadPoolExecutor
+    """`compile_fn` for ``{name: (fn, args, donate)}``, one after another.
 
-    with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
-        futures = {name: pool.submit(compile_fn, *job) for name, job in jobs.items()}
-        return {name: f.result() for name, f in futures.items()}
+    Not concurrently: XLA autotunes GEMMs and fusions on the GPU while it
+    compiles, and concurrent compilations time their candidates against each
+    other's kernels (on the H200 four concurrent medium train steps did not
+    finish compiling in 240 s; one alone takes about 100 s).
+    """
+    out = {}
+    for name, job in jobs.items():
+        out[name] = compile_fn(*job)
+        log(f"  compiled {name} in {out[name]['compile_s']:.0f} s")
+    return out
 
 
 def timed(fn: Callable, args: tuple, warmup: int, iters: int, feed: Optional[Callable] = None,
@@ -410,7 +416,7 @@ def e2e_section(args) -> List[Dict[str, Any]]:
         impl = _attention_impl(args)
         for attempt in range(2):
             try:
-                rows.append(_e2e_one(args, name, c, impl))
+                rows.append(_e2e_one(args, name, c, impl, rows))
                 break
             except Exception as err:
                 if impl == "cudnn" and attempt == 0:
@@ -447,7 +453,7 @@ def e2e_section(args) -> List[Dict[str, Any]]:
 GUARDS = ("seam", "block", "off")
 
 
-def _e2e_one(args, name, c, impl) -> Dict[str, Any]:
+def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     log(f"e2e {name}: {c}, attention_impl={impl}, guards {args.guards}")
     cfg = BlockConfig(dim=c["dim"], num_heads=c["heads"], num_kv_heads=c["kv"], ffn_hidden_dim=c["ffn"],
                       compute_dtype="bf16", max_seq_len=c["seq"], attention_impl=impl)
@@ -497,9 +503,7 @@ def _e2e_one(args, name, c, impl) -> Dict[str, Any]:
     copies = {g: jax.tree_util.tree_map(jnp.copy, params) for g in variants}
     jobs = {"bf16": (step_bf16, (params, x, ct), (0,))}
     jobs.update({g: (step_fp8_of(b), (copies[g], b.state, x, ct), (0,)) for g, b in variants.items()})
-    t = time.perf_counter()
     built = compile_all(jobs)
-    log(f"  compiled {len(jobs)} steps concurrently in {time.perf_counter() - t:.0f} s")
 
     bf = timed(step_bf16, (params, x, ct), args.warmup, args.iters,
                feed=lambda a, out: (out[0],) + tuple(a[1:]), donate=(0,), built=built["bf16"])
@@ -528,6 +532,7 @@ def _e2e_one(args, name, c, impl) -> Dict[str, Any]:
             "calls_exact": all(e["calls"] == steps for e in report),
             "fp8_fraction": sum(e["fp8_calls"] for e in report) / max(1, sum(e["calls"] for e in report)),
         }
+        args.progress("e2e", done + [row])  # a later timeout keeps what was measured
     return row
 
 
@@ -707,6 +712,12 @@ def main(argv=None) -> Dict[str, Any]:
     def save():
         with open(path, "w") as fh:
             json.dump(results, fh, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+
+    def progress(key, value):
+        results[key] = value
+        save()
+
+    args.progress = progress
 
     for flag, section, key in ((args.ffn, ffn_section, "ffn"), (args.e2e, e2e_section, "e2e"),
                                (args.train, train_section, "train")):

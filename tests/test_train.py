@@ -123,6 +123,13 @@ def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path):
     assert f8["fp8"]["gate_worst_cos"] >= 0.999
     assert f8["final_loss"] != bf16["final_loss"]  # the fp8 path really ran
     assert abs(f8["final_loss"] - bf16["final_loss"]) / bf16["final_loss"] < 0.05
+    # Falling back per block call instead of per seam call counts the same calls
+    # and, with nothing falling back, trains the same model.
+    blk = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="block", out=str(tmp_path / "fp8b"), **base),
+                log_fn=quiet)
+    assert blk["fp8"]["calls"] == f8["fp8"]["calls"]
+    if f8["fp8"]["fallbacks"] == 0 and blk["fp8"]["fallbacks"] == 0:
+        assert blk["final_loss"] == pytest.approx(f8["final_loss"], rel=1e-3)
 
 
 def test_bad_config_errors():
@@ -136,6 +143,8 @@ def test_bad_config_errors():
         TrainConfig(dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="unknown fp8_scaling 'dynamic'"):
         TrainConfig(dtype="fp8_e4m3", fp8_scaling="dynamic")
+    with pytest.raises(ValueError, match="unknown fp8_fallback 'step'; valid: seam, block"):
+        TrainConfig(dtype="fp8_e4m3", fp8_fallback="step")
     with pytest.raises(ValueError, match="unknown pass 'int4'"):
         from eae_jax.train import parse_passes
         parse_passes("int8,int4")

@@ -91,6 +91,7 @@ class TrainConfig:
     log_every: int = 10
     devices: Optional[int] = None
     fp8_scaling: str = "delayed"
+    fp8_fallback: str = "seam"
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -105,6 +106,8 @@ class TrainConfig:
         self.policy_obj = DTypePolicy.from_name(self.dtype)  # validates the name
         if self.fp8_scaling not in ("static", "delayed", "row"):
             raise ValueError(f"unknown fp8_scaling {self.fp8_scaling!r}; valid: static, delayed, row")
+        if self.fp8_fallback not in ("seam", "block"):
+            raise ValueError(f"unknown fp8_fallback {self.fp8_fallback!r}; valid: seam, block")
         if self.fp8:
             from eae_jax.fp8 import policy_seams
 

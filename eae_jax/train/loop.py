@@ -62,7 +62,7 @@ def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array):
     tokens = synthetic_batch(key, cfg.batch // cfg.microbatches, cfg.seq_len, model.vocab_size)[:, :-1]
     x0 = embed(params["embed"], tokens, model.block.compute_dtype)
     seams = fp8.policy_seams(cfg.policy_obj, config=fp8.SeamConfig(act_scaling=cfg.fp8_scaling))
-    return fp8.bind_block(model.block, params["blocks"], [x0], seams)
+    return fp8.bind_block(model.block, params["blocks"], [x0], seams, fallback=cfg.fp8_fallback)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

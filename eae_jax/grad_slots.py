@@ -12,9 +12,13 @@ slot ``i`` before overwriting the slot, in place, with the gradients. The
 buffers then *are* those leaves' gradients. Peak memory drops by ``L``
 boundaries (for a LLaMA-1B-like stack at batch 4 x 2048, 16 x 32 MiB).
 
-The bytes move with ``lax.bitcast_convert_type`` (through ``uint8``), so
-boundary and gradient dtypes may differ (a bf16 boundary in f32 gradient
-slots). The slot buffers hold unsigned integers of the gradient's width
+The bytes move with ``lax.bitcast_convert_type``, so boundary and gradient
+dtypes may differ (a bf16 boundary in f32 gradient slots). They move in words
+of the narrowest width involved (``SlotPlan.unit``): when boundary and
+gradients share a width, the usual case, every reinterpretation keeps the
+element size, which XLA treats as a free bitcast, so reading a boundary back
+out of two slot rows is one fused copy (a width-changing bitcast splits the
+slicing and the concatenation into separate kernels, each a full copy). The slot buffers hold unsigned integers of the gradient's width
 while they carry foreign bytes: a float buffer would let a backend quiet a
 NaN payload or flush a subnormal that is really half of another number (the
 CPU backend does, on bf16 data movement). `to_grads` reinterprets them as
@@ -45,6 +49,8 @@ class SlotPlan(NamedTuple):
         run past the boundary's end into zero padding).
       shape, dtype: the stored boundary's shape and dtype.
       nbytes: the boundary's size in bytes.
+      unit: the word size in bytes the bytes move in (the smallest itemsize
+        among the boundary and the chosen leaves).
     """
 
     leaves: Tuple[int, ...]
@@ -54,6 +60,7 @@ class SlotPlan(NamedTuple):
     shape: Tuple[int, ...]
     dtype: jnp.dtype
     nbytes: int
+    unit: int
 
 
 def plan(param_leaf_specs, boundary_shape, boundary_dtype) -> Optional[SlotPlan]:
@@ -97,25 +104,32 @@ def plan(param_leaf_specs, boundary_shape, boundary_dtype) -> Optional[SlotPlan]
         offset += take
     if offset < nbytes:
         return None
+    # Itemsizes are powers of two, so the smallest divides every chunk
+    # offset and length, and the boundary's size.
+    unit = min([bdtype.itemsize] + [d.itemsize for d in dtypes])
     return SlotPlan(tuple(leaves), tuple(elems_l), tuple(dtypes), tuple(chunks), tuple(boundary_shape), bdtype,
-                    nbytes)
+                    nbytes, unit)
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
-    # Wider dtypes gain a trailing byte axis, 1-byte ones do not; the final
-    # reshape flattens either.
-    return jax.lax.bitcast_convert_type(x.reshape(-1), jnp.uint8).reshape(-1)
+def _to_words(x: jax.Array, unit: int) -> jax.Array:
+    """``x`` flattened into unsigned words of ``unit`` bytes."""
+    # A wider dtype gains a trailing word axis, one of the word's width does
+    # not; the final reshape flattens either.
+    return jax.lax.bitcast_convert_type(x.reshape(-1), _uint(unit)).reshape(-1)
 
 
-def _from_bytes(b: jax.Array, dtype) -> jax.Array:
+def _from_words(w: jax.Array, dtype, unit: int) -> jax.Array:
+    """Flat words of ``unit`` bytes reinterpreted as ``dtype`` (1-D)."""
     dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 1:
-        return jax.lax.bitcast_convert_type(b, dtype)
-    return jax.lax.bitcast_convert_type(b.reshape(-1, dtype.itemsize), dtype)
+    if dtype.itemsize == unit:
+        return jax.lax.bitcast_convert_type(w, dtype)
+    return jax.lax.bitcast_convert_type(w.reshape(-1, dtype.itemsize // unit), dtype)
 
 
-def _uint(dtype) -> jnp.dtype:
-    return jnp.dtype({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize])
+def _uint(dtype_or_size) -> jnp.dtype:
+    """The unsigned integer type of a dtype's width (or of a size in bytes)."""
+    size = dtype_or_size if isinstance(dtype_or_size, int) else jnp.dtype(dtype_or_size).itemsize
+    return jnp.dtype({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[size])
 
 
 def empty_slots(p: SlotPlan, depth: int) -> Tuple[jax.Array, ...]:
@@ -131,26 +145,28 @@ def to_grads(p: SlotPlan, slots: Tuple[jax.Array, ...]) -> Tuple[jax.Array, ...]
 
 def pack(p: SlotPlan, boundary: jax.Array, slots: Tuple[jax.Array, ...], i) -> Tuple[jax.Array, ...]:
     """Write ``boundary`` into row ``i`` of the slot buffers (in place under scan)."""
-    raw = _to_bytes(boundary)
-    end = max(off + n for off, n in p.chunks)
+    u = p.unit
+    raw = _to_words(boundary, u)
+    end = max(off + n for off, n in p.chunks) // u
     if end > raw.shape[0]:
-        raw = jnp.concatenate([raw, jnp.zeros((end - raw.shape[0],), jnp.uint8)])
+        raw = jnp.concatenate([raw, jnp.zeros((end - raw.shape[0],), raw.dtype)])
     out = []
     for buf, dtype, (off, n) in zip(slots, p.dtypes, p.chunks):
-        piece = _from_bytes(jax.lax.slice_in_dim(raw, off, off + n), _uint(dtype))
+        piece = _from_words(jax.lax.slice_in_dim(raw, off // u, (off + n) // u), _uint(dtype), u)
         out.append(jax.lax.dynamic_update_slice(buf, piece[None], (i, 0)))
     return tuple(out)
 
 
 def unpack(p: SlotPlan, slots: Tuple[jax.Array, ...], i) -> jax.Array:
     """Read the boundary stored in row ``i`` of the slot buffers."""
+    u = p.unit
     parts: List[jax.Array] = []
     for buf, dtype, (off, n) in zip(slots, p.dtypes, p.chunks):
         count = n // jnp.dtype(dtype).itemsize
         row = jax.lax.dynamic_slice(buf, (i, 0), (1, count))[0]
-        parts.append(_to_bytes(row))
+        parts.append(_to_words(row, u))
     raw = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    return _from_bytes(raw[: p.nbytes], p.dtype).reshape(p.shape)
+    return _from_words(raw[: p.nbytes // u], p.dtype, u).reshape(p.shape)
 
 
 def store_grads(p: SlotPlan, slots: Tuple[jax.Array, ...], grad_leaves, i) -> Tuple[jax.Array, ...]:

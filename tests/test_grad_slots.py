@@ -71,7 +71,11 @@ def test_slotted_stack_gives_the_same_gradients_and_carry(kwargs):
         return jax.jit(jax.grad(lambda p, c: _loss(stack(p, x, c)), argnums=(0, 1)))(params, carry)
 
     g_slot, g_sep = grads(slotted), grads(separate)
-    chex.assert_trees_all_equal(g_slot, g_sep)
+    # The boundary read out of the slots may fuse into the block's first
+    # kernels, which can change XLA's float32 reduction order by an ulp or
+    # two; a wrong boundary byte would be off by far more (the bytes
+    # themselves round-trip exactly: test_pack_unpack_round_trips_the_exact_bits).
+    chex.assert_trees_all_close(g_slot, g_sep, rtol=2e-5, atol=1e-8)
     if not kwargs:  # and both are ordinary autodiff's gradients
         want = jax.grad(lambda p: _loss(plain_stack(block, p, x)))(params)
         chex.assert_trees_all_close(g_slot[0], want, rtol=2e-5, atol=1e-7)
@@ -115,3 +119,18 @@ def test_heterogeneous_stack_and_too_small_params_fall_back():
     got = jax.grad(lambda pl: _loss(stack(pl, x)))(plist)
     want = jax.grad(lambda pl: _loss(ref(pl)))(plist)
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-7)
+
+
+def test_same_width_slots_move_words_without_resizing_bitcasts():
+    # bf16 boundary in bf16 gradient slots: the bytes move as uint16 words, so
+    # XLA sees only same-width bitcasts (free) and can fuse the row slices with
+    # their concatenation; a detour through uint8 splits them into copies.
+    cfg = BlockConfig(dim=64, num_heads=4, num_kv_heads=2, ffn_hidden_dim=128, compute_dtype="bf16")
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), init_stack(jax.random.key(0), cfg, 3))
+    x = jax.random.normal(jax.random.key(1), (2, 96, 64)).astype(jnp.bfloat16)
+    stack = eae_jax.reconstruct(decoder_block(cfg))
+    leaves = [(a.shape[1:], a.dtype) for a in jax.tree_util.tree_leaves(params)]
+    p = grad_slots.plan(leaves, x.shape, x.dtype)
+    assert p is not None and len(p.leaves) >= 2 and p.unit == 2  # the boundary spans two gradient rows
+    hlo = jax.jit(jax.grad(lambda p, x: _loss(stack(p, x)))).lower(params, x).compile().as_text()
+    assert "u16[" in hlo and "u8[" not in hlo

@@ -141,10 +141,6 @@ def _check_fallback(fallback: str) -> str:
     return fallback
 
 
-def _hp_runner(name, sub, h):
-    return _hp(name, sub, h)
-
-
 def _run(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, monitor, fallback: str):
     """The block on cast ``(params, x)``: ``(y, {seam name: ledger increments})``.
 
@@ -154,7 +150,6 @@ def _run(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, monitor, f
     any seam's check failed. The seams that did not fail are then counted as
     fallbacks with reason ``'block'``.
     """
-    inner = _inner_block(cfg, _hp_runner)
     if fallback == "seam":
         incs = {}
 
@@ -176,12 +171,12 @@ def _run(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, monitor, f
         return _hp(name, sub, h)
 
     y8 = _inner_block(cfg, runner)(params, x)
-    deciding = [n for n, a in attempts.items() if a.trace_reason is None and seams_lib._can_fall_back(seams[n])]
+    deciding = [n for n, a in attempts.items() if a.trace_reason is None and seams_lib.can_fall_back(seams[n])]
     if not deciding:
         return y8, {n: seams_lib.attempt_increments(a) for n, a in attempts.items()}
     own = {n: attempts[n].code >= 0 for n in deciding}
     bad = functools.reduce(jnp.logical_or, own.values())
-    y = seams_lib.fall_back_if(bad, y8, inner, params, x)
+    y = seams_lib.fall_back_if(bad, y8, _inner_block(cfg, _hp), params, x)
     block_code = jnp.where(bad, ledger_lib.BLOCK_REASON, -1).astype(jnp.int32)
     incs = {}
     for n, a in attempts.items():

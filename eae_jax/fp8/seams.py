@@ -505,14 +505,14 @@ def fall_back_if(bad: jax.Array, y: jax.Array, high_precision_fn, *operands) -> 
 def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -> Tuple[jax.Array, ledger_lib.Ledger]:
     """One guarded call: ``(fused output, ledger increments)``."""
     a = attempt(seam, state, params, x, monitor)
-    if a.trace_reason is not None or not _can_fall_back(seam):
+    if a.trace_reason is not None or not can_fall_back(seam):
         return a.y, attempt_increments(a)
     hp_params = params.hp if isinstance(params, FrozenParams) else params
     y = fall_back_if(a.code >= 0, a.y, functools.partial(high_precision, seam), hp_params, x)
     return y, attempt_increments(a)
 
 
-def _can_fall_back(seam: Seam) -> bool:
+def can_fall_back(seam: Seam) -> bool:
     """Whether the seam's attempt can ask for a fallback in the graph."""
     return seam.config.check_values and not seam.config.strict
 

@@ -180,6 +180,11 @@ def test_saturating_seam_falls_back_at_its_granularity_under_reconstruct(setup, 
     for i in (0, 2):
         assert all(rep[f"{n}[{i}]"]["fp8_calls"] == 1 for n in ("qkv", "o", "ffn"))
 
+    # The forward-returning variant (inference) counts the same.
+    blk = bound.block_fn_with_ledger()
+    _, incs = jax.jit(lambda p, x: jax.lax.scan(lambda h, pi: blk(pi, h), x, p))(bound.params(params, state), x)
+    assert bound.report(bound.fold(state, incs, notify=False)) == bound.report(new)
+
     # Block-level: layer 1 is the high-precision block, bit for bit, in the
     # forward and in its gradients (the other layers stay fp8 in both runs).
     if fallback == "block":

@@ -77,7 +77,9 @@ class SeamConfig:
         checks only, fp8 always (no cond, no detaching). On a GPU each cond
         reads its predicate back to the host: a reconstruct train step pays
         3 per seam and layer (forward, recomputation, transposed cond),
-        measured at 12.7 ms of a 93 ms medium step on the H200.
+        measured at 12.7 ms of a 93 ms medium step on the H200. A block
+        can decide once per call instead (`eae_jax.fp8.fp8_block` with
+        ``fallback='block'``).
       check_hidden: also check saturation at the FFN's down-projection input
         (static/delayed scaling), falling back for the whole call.
       strict: raise `GuardRefused` instead of falling back (trace-time

@@ -1,6 +1,14 @@
 """Where the time of the FFN seam goes: a per-kernel GPU profile, bf16 vs fp8 vs Flax.
 
     python experiments/profile_fp8_seam.py [--shape 8192,2048,5632] [--iters 10] [--out DIR]
+    python experiments/profile_fp8_seam.py --step medium [--guards seam,block,off]
+
+``--step CONFIG`` profiles a whole reconstruct train step instead (the
+configs of ``bench_fp8.py --e2e``, plus ``tiny``): bf16 and the fp8 block
+with each guard variant. The gap between wall time and device busy time is
+what the step spends waiting (on a GPU, every ``lax.cond`` reads its
+predicate back to the host). On CPU the trace has host op events only, which
+nest and overlap, so "busy" is not comparable with wall time there.
 
 Each variant is jitted and compiled, warmed up, then run ``--iters`` times
 under `jax.profiler.trace`. The trace's device events are grouped by kernel
@@ -103,13 +111,15 @@ def profile(name: str, fn: Callable, args: tuple, iters: int, out_dir: str) -> D
         prof = device_kernel_times(tdir, iters)
     finally:
         shutil.rmtree(tdir, ignore_errors=True)
-    return {"variant": name, "median_ms": statistics.median(wall), "compile_s": compile_s,
-            "fp8_gemms": text.count('"__cublas$lt$matmul$f8"'), **prof}
+    median = statistics.median(wall)
+    return {"variant": name, "median_ms": median, "compile_s": compile_s,
+            "fp8_gemms": text.count('"__cublas$lt$matmul$f8"'), "conditionals": text.count(" conditional("),
+            **prof, "idle_ms": median - prof["busy_us"] / 1e3}
 
 
 def print_profile(rec: Dict[str, Any], top: int) -> None:
     print(f"\n== {rec['variant']}: wall {rec['median_ms']:.3f} ms, device busy {rec['busy_us'] / 1e3:.3f} ms, "
-          f"fp8 GEMMs {rec['fp8_gemms']} ==")
+          f"fp8 GEMMs {rec['fp8_gemms']}, conditionals {rec['conditionals']} ==")
     print(f"{'us/iter':>9} {'calls':>6}  kernel")
     for n, us, c in rec["kernels"][:top]:
         print(f"{us:9.1f} {c:6.1f}  {n[:110]}")
@@ -165,6 +175,47 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     return [(name, fwd, fb, p, x, ct) for name, fwd, fb, p in out]
 
 
+STEP_CONFIGS = {
+    "tiny": dict(dim=64, heads=4, kv=2, ffn=128, depth=2, batch=2, seq=32),
+    "medium": dict(dim=2048, heads=16, kv=4, ffn=5632, depth=16, batch=4, seq=2048),
+    "7b": dict(dim=4096, heads=32, kv=8, ffn=11008, depth=8, batch=2, seq=4096),
+}
+
+
+def step_variants(c: Dict[str, int], guards: List[str]) -> List[tuple]:
+    """``(name, step, args)``: a reconstruct train step (loss and gradients),
+    bf16 and fp8 (qkv, o, ffn seams) with each guard variant."""
+    import dataclasses
+
+    import eae_jax
+    from eae_jax.blocks import BlockConfig, decoder_block, init_stack
+
+    cfg = BlockConfig(dim=c["dim"], num_heads=c["heads"], num_kv_heads=c["kv"], ffn_hidden_dim=c["ffn"],
+                      compute_dtype="bf16", max_seq_len=c["seq"])
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = init_stack(keys[0], cfg, c["depth"])
+    x = jax.random.normal(keys[1], (c["batch"], c["seq"], c["dim"]), jnp.float32).astype(jnp.bfloat16)
+    ct = jax.random.normal(keys[2], x.shape, jnp.float32)
+    x_cal = jax.random.normal(keys[3], (1, c["seq"], c["dim"]), jnp.float32).astype(jnp.bfloat16)
+    stack = eae_jax.reconstruct(decoder_block(cfg))
+    out = [("step-bf16", lambda p, x_, ct_: jax.value_and_grad(
+        lambda q: jnp.mean(stack(q, x_).astype(jnp.float32) * ct_))(p), (params, x, ct))]
+    bound = fp8.bind_block(cfg, params, [x_cal])
+    for g in guards:
+        b = (dataclasses.replace(bound, seams={n: sm.replace(check_values=False) for n, sm in bound.seams.items()})
+             if g == "off" else bound.with_fallback(g))
+        stack8 = eae_jax.reconstruct(b.block_fn())
+
+        def step(p, s, x_, ct_, stack8=stack8, b=b):
+            loss, (gp, gs) = jax.value_and_grad(
+                lambda q, t: jnp.mean(stack8({"params": q, "fp8": t}, x_).astype(jnp.float32) * ct_),
+                argnums=(0, 1))(p, s)
+            return loss, gp, b.fold(s, gs, notify=False)
+
+        out.append((f"step-fp8-{g}", step, (params, b.state, x, ct)))
+    return out
+
+
 def main(argv=None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8192,2048,5632", help="tokens,dim,ffn")
@@ -172,11 +223,32 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--only", default="", help="comma list of variant names to run")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--step", default=None, choices=sorted(STEP_CONFIGS),
+                    help="profile a reconstruct train step of this config instead of the FFN seam")
+    ap.add_argument("--guards", default="seam,block,off", help="--step: comma list of fp8 guard variants")
     args = ap.parse_args(argv)
     m, d, f = (int(v) for v in args.shape.split(","))
     out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out_dir, exist_ok=True)
     only = set(filter(None, args.only.split(",")))
+    if args.step:
+        guards = [g for g in args.guards.split(",") if g]
+        bad = [g for g in guards if g not in ("seam", "block", "off")]
+        if bad:
+            ap.error(f"--guards: unknown {bad}; expected a comma list of seam, block, off")
+        results = {"step": args.step, "config": STEP_CONFIGS[args.step], "backend": jax.default_backend(),
+                   "jax": jax.__version__, "runs": []}
+        path = os.path.join(out_dir, f"profile_fp8_step_{args.step}.json")
+        for name, fn, fargs in step_variants(STEP_CONFIGS[args.step], guards):
+            if only and name not in only:
+                continue
+            rec = profile(name, fn, fargs, args.iters, out_dir)
+            rec["kernels"] = rec["kernels"][:40]
+            results["runs"].append(rec)
+            print_profile(rec, args.top)
+            with open(path, "w") as fh:  # after every variant: a timeout keeps what ran
+                json.dump(results, fh, indent=1)
+        return results
     results = {"shape": [m, d, f], "backend": jax.default_backend(), "jax": jax.__version__, "runs": []}
     for name, fwd, fb, p, x, ct in variants(m, d, f):
         if only and name not in only:

@@ -46,3 +46,16 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
     assert train["within_2pct"], train
     assert train["fp8"]["ledger"]["fp8_calls"] > 0.9 * train["fp8"]["ledger"]["calls"]
     assert len(train["bf16"]["losses"]) == train["config"]["steps"]
+
+
+def test_step_profile_runs_every_guard_variant(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "profile_fp8_seam", os.path.join(ROOT, "experiments", "profile_fp8_seam.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--step", "tiny", "--iters", "2", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "profile_fp8_step_tiny.json").read_text())
+    assert [r["variant"] for r in saved["runs"]] == ["step-bf16", "step-fp8-seam", "step-fp8-block", "step-fp8-off"]
+    conds = {r["variant"]: r["conditionals"] for r in res["runs"]}
+    assert conds == {"step-bf16": 0, "step-fp8-seam": 9, "step-fp8-block": 3, "step-fp8-off": 0}
+    assert all(r["median_ms"] > 0 and r["kernels"] for r in res["runs"])

@@ -92,11 +92,12 @@ def lowered_fp8_dots(lowered) -> int:
     return n
 
 
-def compile_fn(fn: Callable, args: tuple, donate: tuple = ()) -> Dict[str, Any]:
-    """Lower and compile ``fn`` for ``args``."""
+def compile_fn(fn: Callable, args: tuple, donate: tuple = (),
+               options: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Lower and compile ``fn`` for ``args`` (``options``: XLA compiler options)."""
     t = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
     return {"compiled": compiled, "lowered": lowered, "compile_s": time.perf_counter() - t}
 
 
@@ -451,6 +452,20 @@ def e2e_section(args) -> List[Dict[str, Any]]:
 
 
 GUARDS = ("seam", "block", "off")
+#: ``<guard>+graphs``: the same step compiled with conditionals and while
+#: loops inside CUDA graphs (XLA's command buffers; the default set is the
+#: first six), where a conditional is a graph node decided on the device
+#: instead of a predicate read back to the host.
+GRAPH_CONDS = {"xla_gpu_enable_command_buffer":
+               "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"}
+
+
+def _guard_spec(spec: str) -> tuple:
+    """``'block+graphs'`` -> ``('block', GRAPH_CONDS)``; raises ValueError for an unknown guard."""
+    guard, _, extra = spec.partition("+")
+    if guard not in GUARDS or extra not in ("", "graphs"):
+        raise ValueError(spec)
+    return guard, (GRAPH_CONDS if extra else None)
 
 
 def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -474,12 +489,13 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     # One calibration for every guard variant: they differ only in how a
     # failed check falls back (the scales and the gate are the same).
     variants = {}
-    for g in args.guards:
+    for spec in args.guards:
+        g, _ = _guard_spec(spec)
         if g == "off":
-            variants[g] = dataclasses.replace(
+            variants[spec] = dataclasses.replace(
                 bound, seams={n: sm.replace(check_values=False) for n, sm in bound.seams.items()})
         else:
-            variants[g] = bound.with_fallback(g)
+            variants[spec] = bound.with_fallback(g)
 
     stack = eae_jax.reconstruct(decoder_block(cfg))
 
@@ -502,7 +518,8 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     # Each variant trains its own copy of the params (the step donates them).
     copies = {g: jax.tree_util.tree_map(jnp.copy, params) for g in variants}
     jobs = {"bf16": (step_bf16, (params, x, ct), (0,))}
-    jobs.update({g: (step_fp8_of(b), (copies[g], b.state, x, ct), (0,)) for g, b in variants.items()})
+    jobs.update({g: (step_fp8_of(b), (copies[g], b.state, x, ct), (0,), _guard_spec(g)[1])
+                 for g, b in variants.items()})
     built = compile_all(jobs)
 
     bf = timed(step_bf16, (params, x, ct), args.warmup, args.iters,
@@ -676,7 +693,8 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--scaling", default="static", choices=fp8.seams.SCALINGS, help="e2e activation scaling")
     ap.add_argument("--guards", default="seam,block,off",
                     help="e2e: comma list of guard variants timed against one bf16 step: 'seam' (a lax.cond "
-                         "per seam call), 'block' (a lax.cond per block call), 'off' (no in-graph checks)")
+                         "per seam call), 'block' (a lax.cond per block call), 'off' (no in-graph checks); "
+                         "'<guard>+graphs' compiles it with conditionals and loops inside CUDA graphs")
     ap.add_argument("--train-scaling", default="delayed", choices=fp8.seams.SCALINGS,
                     help="activation scaling for the training run (delayed follows drifting activations)")
     ap.add_argument("--train-steps", type=int, default=300)
@@ -691,9 +709,15 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--out", default=None, help="output folder (default $OUT or experiments/results)")
     args = ap.parse_args(argv)
     args.guards = [g for g in args.guards.split(",") if g]
-    unknown = [g for g in args.guards if g not in GUARDS]
+    unknown = []
+    for g in args.guards:
+        try:
+            _guard_spec(g)
+        except ValueError:
+            unknown.append(g)
     if unknown or not args.guards:
-        ap.error(f"--guards: unknown {unknown}; expected a comma list of {GUARDS}")
+        ap.error(f"--guards: unknown {unknown}; expected a comma list of {GUARDS}, each optionally "
+                 "with '+graphs' (conditionals inside CUDA graphs)")
     if args.warmup is None:
         args.warmup = 1 if args.smoke else 3
     if args.iters is None:

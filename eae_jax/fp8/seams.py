@@ -487,7 +487,7 @@ def attempt_increments(a: Attempt, code: Optional[jax.Array] = None) -> ledger_l
     return ledger_lib.increments(a.code if code is None else code, a.amax)
 
 
-def fall_back_if(bad: jax.Array, y: jax.Array, high_precision_fn, *operands) -> jax.Array:
+def _fall_back_if(bad: jax.Array, y: jax.Array, high_precision_fn, *operands) -> jax.Array:
     """``high_precision_fn(*operands)`` when ``bad``, else ``y``: one ``lax.cond``.
 
     The fallback is rematerialized (its residuals are its operands only), so
@@ -510,7 +510,7 @@ def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -
     if a.trace_reason is not None or not can_fall_back(seam):
         return a.y, attempt_increments(a)
     hp_params = params.hp if isinstance(params, FrozenParams) else params
-    y = fall_back_if(a.code >= 0, a.y, functools.partial(high_precision, seam), hp_params, x)
+    y = _fall_back_if(a.code >= 0, a.y, functools.partial(high_precision, seam), hp_params, x)
     return y, attempt_increments(a)
 
 

@@ -156,3 +156,26 @@ def test_no_value_checks_means_no_cond(setup):
     assert guarded.count("cond[") == 1  # one branch point per call
     _, inc = _run(seam, bound.state, p, hs[2] * 50.0)
     assert _reason(inc) is None  # unchecked: ran fp8 (clipped)
+
+
+def test_guarded_gradients_are_autodiff_of_the_branch_that_ran(setup):
+    """The guarded seam keeps its decision for the backward (seams.decide_once):
+    its gradients are those of the unguarded fp8 seam when nothing failed, and
+    of the high-precision seam when the call fell back."""
+    p, hs, bound = setup
+    ct = jax.random.normal(jax.random.key(4), (ROWS, D))
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda p_, x_: jnp.sum(fn(p_, x_).astype(jnp.float32) * ct), argnums=(0, 1)))(
+            p, hs[2])
+
+    def guarded(state):
+        return lambda p_, x_: fp8.apply(bound.seam, state, p_, x_)
+
+    fp8_only = grads(lambda p_, x_: fp8.fp8_forward(bound.seam, p_, x_, bound.state.scales))
+    for a, b in zip(jax.tree_util.tree_leaves(grads(guarded(bound.state))), jax.tree_util.tree_leaves(fp8_only)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    detached = bound.state._replace(ledger=bound.state.ledger._replace(detached=jnp.ones(())))
+    hp_only = grads(lambda p_, x_: fp8.high_precision(bound.seam, p_, x_))
+    for a, b in zip(jax.tree_util.tree_leaves(grads(guarded(detached))), jax.tree_util.tree_leaves(hp_only)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))

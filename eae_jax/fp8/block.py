@@ -165,7 +165,9 @@ def _run(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, monitor, f
     if not any(seams_lib.can_fall_back(sm) for sm in seams.values()):
         y, (_, incs) = _block_attempt(cfg, seams, states, params, x, monitor)
         return y, incs
-    return _block_fallback(cfg, seams, monitor)(params, x, states)
+    # One decision per block call, kept for the backward (seams_lib.decide_once).
+    return seams_lib.decide_once(lambda p, h, st: _block_attempt(cfg, seams, st, p, h, monitor),
+                                 _inner_block(cfg, _hp))(params, x, states)
 
 
 def _block_attempt(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, monitor):
@@ -194,45 +196,6 @@ def _block_attempt(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, 
     return y8, (bad, incs)
 
 
-def _block_fallback(cfg: BlockConfig, seams: Dict[str, Seam], monitor) -> Callable:
-    """``(params, x, states) -> (y, increments)`` deciding once per block call.
-
-    Differentiated, it decides once more and no further: the forward keeps
-    the fp8 attempt's residuals and the decision, and the backward is one
-    ``lax.cond`` between the fp8 VJP (from those residuals) and the
-    high-precision block's (recomputed, as a fallback is rare). Left to
-    autodiff, the transposed cond would need its primal cond's residual
-    outputs, so a recomputation (`eae_jax.reconstruct`'s backward) would run
-    the forward cond again; here the recomputed output is unused and its
-    cond is dead code. A reconstruct train step thus takes two conds per
-    block call (forward, backward) instead of three.
-    """
-    hp_block = _inner_block(cfg, _hp)
-
-    def select(bad, y8, params, x):
-        return jax.lax.cond(bad, lambda ops: hp_block(*ops[1:]), lambda ops: ops[0], (y8, params, x))
-
-    @jax.custom_vjp
-    def run(params, x, states):
-        y8, (bad, incs) = _block_attempt(cfg, seams, states, params, x, monitor)
-        return select(bad, y8, params, x), incs
-
-    def fwd(params, x, states):
-        y8, vjp8, (bad, incs) = jax.vjp(lambda p, h: _block_attempt(cfg, seams, states, p, h, monitor),
-                                        params, x, has_aux=True)
-        return (select(bad, y8, params, x), incs), (vjp8, bad, params, x, states)
-
-    def bwd(res, cts):
-        vjp8, bad, params, x, states = res
-        g = cts[0]
-        gp, gx = jax.lax.cond(bad, lambda g_: jax.vjp(hp_block, params, x)[1](g_), vjp8, g)
-        # Counts leave through ledger_lib.count on the block output, not here.
-        return gp, gx, jax.tree_util.tree_map(jnp.zeros_like, states)
-
-    run.defvjp(fwd, bwd)
-    return run
-
-
 def fp8_block(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None, fallback: str = "seam") -> Callable:
     """The pure block ``block(p, x)`` with fp8 seams, counted through the VJP.
 
@@ -247,12 +210,11 @@ def fp8_block(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None, fallback: 
         per block call; the other seams' calls count as fallbacks with
         reason ``'block'``, which neither extends their run of consecutive
         fallbacks nor detaches them). On a GPU every cond waits for its
-        predicate on the host; a reconstruct train step runs each block
-        three times (forward, recomputation, transposed cond), so the three
-        block seams take 9 conds per layer with ``'seam'``; ``'block'``
-        decides in the forward and once in the backward (its VJP keeps the
-        decision and the fp8 residuals, so the recomputation needs no cond):
-        2 per layer.
+        predicate on the host; in a reconstruct train step each decision
+        costs one cond forward and one backward, and the recomputation
+        decides again only where a seam's output feeds the rest of the block
+        (`eae_jax.fp8.seams.decide_once`): the three block seams take 8
+        conds per layer with ``'seam'`` and 2 with ``'block'``.
         A detached seam makes every call of its block fall back under
         ``'block'``: rebind without it to keep the others in fp8.
 

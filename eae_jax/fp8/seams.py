@@ -504,14 +504,73 @@ def _fall_back_if(bad: jax.Array, y: jax.Array, high_precision_fn, *operands) ->
     return jax.lax.cond(bad, fall_back, keep, (y,) + operands)
 
 
+def decide_once(attempt_fn, high_precision_fn):
+    """A guarded computation that decides once forward and once backward.
+
+    Args:
+      attempt_fn: ``(params, x, states) -> (y8, (bad, aux))``: the fp8
+        attempt, whether its checks failed (a bool scalar), and anything to
+        hand back (ledger increments).
+      high_precision_fn: ``(params, x) -> y``, the fallback.
+
+    Returns:
+      ``f(params, x, states) -> (y, aux)`` with ``y = y8`` unless ``bad``.
+      Forward: one ``lax.cond``. Differentiated, the forward keeps the
+      decision and the attempt's residuals, and the backward is one
+      ``lax.cond`` between the attempt's VJP and the fallback's (recomputed,
+      as a fallback is rare). Left to autodiff, the transposed cond would
+      need its primal cond's residual outputs, so a recomputation
+      (`eae_jax.reconstruct`'s backward) would run the forward cond again;
+      here the recomputed output is unused and that cond is dead code: two
+      conds per call in a reconstruct train step instead of three. ``states``
+      get a zero cotangent (counts leave through `eae_jax.fp8.ledger.count`).
+    """
+
+    def select(bad, y8, params, x):
+        return jax.lax.cond(bad, lambda ops: high_precision_fn(*ops[1:]), lambda ops: ops[0], (y8, params, x))
+
+    @jax.custom_vjp
+    def run(params, x, states):
+        y8, (bad, aux) = attempt_fn(params, x, states)
+        return select(bad, y8, params, x), aux
+
+    def fwd(params, x, states):
+        y8, vjp8, (bad, aux) = jax.vjp(lambda p, h: attempt_fn(p, h, states), params, x, has_aux=True)
+        return (select(bad, y8, params, x), aux), (vjp8, bad, params, x, states)
+
+    def bwd(res, cts):
+        vjp8, bad, params, x, states = res
+        gp, gx = jax.lax.cond(bad, lambda g: jax.vjp(high_precision_fn, params, x)[1](g), vjp8, cts[0])
+        return gp, gx, jax.tree_util.tree_map(jnp.zeros_like, states)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
 def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -> Tuple[jax.Array, ledger_lib.Ledger]:
     """One guarded call: ``(fused output, ledger increments)``."""
-    a = attempt(seam, state, params, x, monitor)
-    if a.trace_reason is not None or not can_fall_back(seam):
-        return a.y, attempt_increments(a)
-    hp_params = params.hp if isinstance(params, FrozenParams) else params
-    y = _fall_back_if(a.code >= 0, a.y, functools.partial(high_precision, seam), hp_params, x)
-    return y, attempt_increments(a)
+    if not can_fall_back(seam) or isinstance(params, FrozenParams) or _trace_problem(seam, params, x):
+        a = attempt(seam, state, params, x, monitor)
+        if a.trace_reason is not None or not can_fall_back(seam):
+            return a.y, attempt_increments(a)
+        # Frozen weights (inference): the fp8 operands are constants, so the
+        # decision is not carried into a VJP; one cond forward.
+        y = _fall_back_if(a.code >= 0, a.y, functools.partial(high_precision, seam), params.hp, x)
+        return y, attempt_increments(a)
+
+    def attempt_fn(params_, x_, state_):
+        a = attempt(seam, state_, params_, x_, monitor)
+        return a.y, (a.code >= 0, attempt_increments(a))
+
+    return decide_once(attempt_fn, functools.partial(high_precision, seam))(params, x, state)
+
+
+def _trace_problem(seam: Seam, params: Any, x: jax.Array) -> bool:
+    """Whether the call takes a trace-time fallback (or raises: `attempt` says why)."""
+    try:
+        return trace_check(contract(seam, input_width(seam, params)), x) is not None
+    except GuardRefused:
+        return True
 
 
 def can_fall_back(seam: Seam) -> bool:

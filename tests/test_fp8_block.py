@@ -218,6 +218,44 @@ def test_block_fallback_takes_two_conditionals_per_layer(setup):
     assert per_block == 2 and per_seam == 8
 
 
+def _cond_operands(jaxpr):
+    """Avals of every operand of every ``cond`` in a (closed) jaxpr, nested ones included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            found.extend(v.aval for v in eqn.invars[1:])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found.extend(_cond_operands(inner))
+    return found
+
+
+@pytest.mark.parametrize("fallback", ["seam", "block"])
+def test_attempt_residuals_never_enter_a_cond(fallback):
+    # Operands of a cond are materialised: the attempt's autodiff residuals
+    # (float32 norm and SwiGLU intermediates) must stay outside it, so only
+    # gradients, weights, seam inputs and outputs in the activation dtype,
+    # cotangents and scalars cross. The FFN width differs from every
+    # projection width so that a SwiGLU residual cannot pass for one.
+    cfg = BlockConfig(dim=64, num_heads=4, num_kv_heads=2, ffn_hidden_dim=160, compute_dtype="bf16")
+    params = init_stack(jax.random.key(0), cfg, 2)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 64)).astype(jnp.bfloat16)
+    bound = fp8.bind_block(cfg, params, [x], fallback=fallback)
+    stack8 = eae_jax.reconstruct(bound.block_fn())
+    ct = jax.random.normal(jax.random.key(7), x.shape)
+    step = jax.grad(lambda q: jnp.mean(stack8(q, x).astype(jnp.float32) * ct))
+    operands = _cond_operands(jax.make_jaxpr(step)(bound.params(params)).jaxpr)
+    assert operands
+    weights = {leaf.shape[1:] for leaf in jax.tree_util.tree_leaves(params)}
+    qkv = cfg.dim + 2 * (cfg.dim // cfg.num_heads) * cfg.num_kv_heads
+    activations = {(*lead, w) for lead in (x.shape[:-1], (x.shape[0] * x.shape[1],)) for w in (cfg.dim, qkv)}
+    hidden = [a for a in operands
+              if not (a.shape in weights or a.shape == () or (a.shape in activations and a.dtype == x.dtype))]
+    assert not hidden, f"attempt residuals inside a cond: {sorted({(a.shape, str(a.dtype)) for a in hidden})}"
+
+
 def test_block_reason_never_detaches_an_innocent_seam():
     ledger = fp8.init_ledger(1)
     block = fp8.ledger.increments(jnp.int32(fp8.ledger.BLOCK_REASON), jnp.ones((1,)))

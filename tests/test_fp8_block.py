@@ -148,7 +148,8 @@ def _count_conditionals(fn, *args) -> int:
 
 def test_block_fallback_without_failures_equals_seam_fallback(setup):
     cfg, params, x, bound = setup
-    seam_mode = plain_stack(bound.block_fn(), bound.params(params), x)
+    assert bound.fallback == "block"  # the default
+    seam_mode = plain_stack(bound.with_fallback("seam").block_fn(), bound.params(params), x)
     block_mode = plain_stack(bound.with_fallback("block").block_fn(), bound.params(params), x)
     np.testing.assert_array_equal(np.asarray(block_mode.astype(jnp.float32)),
                                   np.asarray(seam_mode.astype(jnp.float32)))
@@ -209,7 +210,7 @@ def test_block_fallback_takes_two_conditionals_per_layer(setup):
         return jax.grad(lambda p: jnp.mean(stack8(p, x).astype(jnp.float32) * ct))
 
     p = bound.params(params)
-    per_seam = _count_conditionals(step_of(bound), p)
+    per_seam = _count_conditionals(step_of(bound.with_fallback("seam")), p)
     per_block = _count_conditionals(step_of(bound.with_fallback("block")), p)
     # One cond per decision in the forward scan body and one in the reverse
     # scan body, where the recomputation's cond is dead code (seams.decide_once)

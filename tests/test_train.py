@@ -123,9 +123,10 @@ def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path):
     assert f8["fp8"]["gate_worst_cos"] >= 0.999
     assert f8["final_loss"] != bf16["final_loss"]  # the fp8 path really ran
     assert abs(f8["final_loss"] - bf16["final_loss"]) / bf16["final_loss"] < 0.05
-    # Falling back per block call instead of per seam call counts the same calls
-    # and, with nothing falling back, trains the same model.
-    blk = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="block", out=str(tmp_path / "fp8b"), **base),
+    # Falling back per seam call instead of per block call (the default)
+    # counts the same calls and, with nothing falling back, trains the same model.
+    assert TrainConfig().fp8_fallback == "block"
+    blk = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="seam", out=str(tmp_path / "fp8b"), **base),
                 log_fn=quiet)
     assert blk["fp8"]["calls"] == f8["fp8"]["calls"]
     if f8["fp8"]["fallbacks"] == 0 and blk["fp8"]["fallbacks"] == 0:

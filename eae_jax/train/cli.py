@@ -16,8 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "preset": f"model/batch preset: {', '.join(PRESETS)}",
         "dtype": "fp32 | bf16 | fp16 | fp8_e4m3 (compute and boundary dtype; params stay fp32; fp8 binds fp8 seams)",
         "fp8_scaling": "activation scaling of the fp8 seams: delayed | static | row",
-        "fp8_fallback": "where a failed fp8 check falls back to high precision: seam (that seam call) | "
-                        "block (the whole block call: one lax.cond per block instead of one per seam)",
+        "fp8_fallback": "where a failed fp8 check falls back to high precision: block (the whole block call, "
+                        "default: one lax.cond per block) | seam (that seam call: one lax.cond per seam)",
         "passes": "adjoint pass chain, e.g. 'int8,clip=1.0' (see eae_jax.train.config.parse_passes)",
         "policy": "reconstruct policy: boundaries | dots | dots_all | everything",
         "data": "token file (.npy or uint16 .bin); default: a learnable synthetic task",

@@ -91,7 +91,7 @@ class TrainConfig:
     log_every: int = 10
     devices: Optional[int] = None
     fp8_scaling: str = "delayed"
-    fp8_fallback: str = "seam"
+    fp8_fallback: str = "block"
 
     def __post_init__(self):
         if self.preset not in PRESETS:

@@ -389,6 +389,20 @@ def build_jobs(args, groups: Dict[str, List[bc.StackConfig]], workdir: str, inje
     return plan
 
 
+def _rerender(path: str, out: str) -> int:
+    """Rewrite a run's report from its saved rows; the measurement's meta is kept."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        rows, meta = doc["rows"], doc["meta"]
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"--report-from {path}: not a bench_results.json ({type(err).__name__}: {err})")
+    os.makedirs(out, exist_ok=True)
+    meta = {**meta, "rerendered": {"argv": sys.argv, "at": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    print(br.write_outputs(out, rows, meta, final=True))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, under two minutes)")
@@ -414,7 +428,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-autotune-cache", dest="autotune_cache", action="store_false",
                    help="do not share XLA's per-fusion autotuning results between the children (GPU)")
     p.add_argument("--keep-workdir", action="store_true")
+    p.add_argument("--report-from", default=None, metavar="JSON",
+                   help="measure nothing: re-render the table, targets and charts from a bench_results.json "
+                        "(after the report's checks changed) into --out")
     args = p.parse_args(argv)
+    if args.report_from:
+        return _rerender(args.report_from, args.out)
     smoke = args.smoke
     args.steps = args.steps or (3 if smoke else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if smoke else 2)

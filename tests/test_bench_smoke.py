@@ -120,6 +120,16 @@ def test_bench_smoke_end_to_end(tmp_path):
     assert "eae-sep peak" in names["eae-offload peak / (params+grads+block+2 boundaries)"]["note"]
     assert "info: boundaries saved by storing them in the gradient buffers" in names
     assert names["eae-offload grads vs eae-sep grads, same process (rel err)"]["pass"] is True
+    assert names["eae-offload grad error - eae grad error (both vs J-plain)"]["pass"] is True
+    # the saved rows alone re-render the same report (after a change of the checks)
+    again = tmp_path / "again"
+    r2 = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "bench_stack.py"), "--report-from",
+                         str(out / "bench_results.json"), "--out", str(again)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0, r2.stdout[-4000:] + r2.stderr[-4000:]
+    doc2 = json.loads((again / "bench_results.json").read_text())
+    assert doc2["targets"] == doc["targets"] and doc2["meta"]["argv"] == doc["meta"]["argv"]
+    assert "rerendered" in doc2["meta"]
     if torch_ok:
         assert names["T-eae time / eae time"]["value"] > 0
     assert (out / "bench_table.md").read_text().startswith("# Stack benchmark")

@@ -209,8 +209,9 @@ def fp8_block(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None, fallback: 
         per seam call). ``'block'``: the whole block call (one ``lax.cond``
         per block call; the other seams' calls count as fallbacks with
         reason ``'block'``, which neither extends their run of consecutive
-        fallbacks nor detaches them). On a GPU every cond waits for its
-        predicate on the host; in a reconstruct train step each decision
+        fallbacks nor detaches them). A cond is a branch point XLA cannot
+        fuse across (its operands and results are materialised); in a
+        reconstruct train step each decision
         costs one cond forward and one backward, and the recomputation
         decides again only where a seam's output feeds the rest of the block
         (`eae_jax.fp8.seams.decide_once`): the three block seams take 8

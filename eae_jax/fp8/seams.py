@@ -448,9 +448,8 @@ def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=Non
     # The fp8 path runs unconditionally and the checks are reductions over the
     # same values it quantizes, so XLA can fuse them into the quantizing
     # kernels; the caller's single lax.cond afterwards replaces the result
-    # when a check failed (on GPU every cond waits for its predicate on the
-    # host, so there is one branch point per decision, and the common path
-    # pays no extra pass). A fallback wastes the fp8 work, which is fine for
+    # when a check failed (one branch point per decision: XLA cannot fuse
+    # across a cond, and the common path pays no extra pass). A fallback wastes the fp8 work, which is fine for
     # something that should be rare (a detached seam keeps paying it: drop
     # the seam from the block to stop that).
     x2 = x.reshape(-1, width)

@@ -179,3 +179,48 @@ def test_guarded_gradients_are_autodiff_of_the_branch_that_ran(setup):
     hp_only = grads(lambda p_, x_: fp8.high_precision(bound.seam, p_, x_))
     for a, b in zip(jax.tree_util.tree_leaves(grads(guarded(detached))), jax.tree_util.tree_leaves(hp_only)):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_trace_time_fallback_gradients_are_the_high_precision_seams(setup):
+    # A trace-time fallback decides nothing at run time: no cond, and the
+    # gradients are autodiff of the high-precision seam.
+    p, hs, bound = setup
+    seam = bound.seam.replace(max_rows=16)
+    ct = jax.random.normal(jax.random.key(4), (ROWS, D))
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda p_, x_: jnp.sum(fn(p_, x_).astype(jnp.float32) * ct), argnums=(0, 1)))(
+            p, hs[2])
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda x_: jnp.sum(fp8.apply(seam, bound.state, p, x_))))(hs[2]))
+    got = grads(lambda p_, x_: fp8.apply(seam, bound.state, p_, x_))
+    assert "cond[" not in jaxpr
+    want = grads(lambda p_, x_: fp8.high_precision(seam, p_, x_))
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_frozen_weights_fall_back_and_differentiate_like_live_ones(setup):
+    # Frozen (inference) weights take the same guarded path: a NaN input falls
+    # back to the high-precision seam, counted, and the input gradient is the
+    # branch that ran (the fp8 one for a good input, the high-precision one
+    # for a failed call; frozen weights get zero cotangents).
+    p, hs, bound = setup
+    frozen = bound.freeze(p)
+    bad = hs[2] * 50.0
+    y, inc = _run(bound.seam, bound.state, frozen, bad)
+    assert _reason(inc) == "saturation"
+    np.testing.assert_array_equal(y, np.asarray(swiglu(p, bad).astype(jnp.float32)))
+    ct = jax.random.normal(jax.random.key(4), (ROWS, D))
+
+    def dx(params, x):
+        return jax.jit(jax.grad(lambda x_: jnp.sum(fp8.apply(bound.seam, bound.state, params, x_)
+                                                   .astype(jnp.float32) * ct)))(x)
+
+    hp = jax.grad(lambda x_: jnp.sum(fp8.high_precision(bound.seam, p, x_).astype(jnp.float32) * ct))(bad)
+    np.testing.assert_array_equal(np.asarray(dx(frozen, bad).astype(jnp.float32)),
+                                  np.asarray(hp.astype(jnp.float32)))
+    unguarded = jax.jit(jax.grad(lambda x_: jnp.sum(fp8.fp8_forward(bound.seam, frozen, x_, bound.state.scales)
+                                                    .astype(jnp.float32) * ct)))(hs[2])
+    np.testing.assert_array_equal(np.asarray(dx(frozen, hs[2]).astype(jnp.float32)),
+                                  np.asarray(unguarded.astype(jnp.float32)))

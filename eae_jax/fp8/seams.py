@@ -486,30 +486,15 @@ def attempt_increments(a: Attempt, code: Optional[jax.Array] = None) -> ledger_l
     return ledger_lib.increments(a.code if code is None else code, a.amax)
 
 
-def _fall_back_if(bad: jax.Array, y: jax.Array, high_precision_fn, *operands) -> jax.Array:
-    """``high_precision_fn(*operands)`` when ``bad``, else ``y``: one ``lax.cond``.
-
-    The fallback is rematerialized (its residuals are its operands only), so
-    a path that rarely runs does not add its activations to the memory of
-    the fp8 one.
-    """
-
-    def keep(ops):
-        return ops[0]
-
-    def fall_back(ops):
-        return jax.checkpoint(high_precision_fn)(*ops[1:])
-
-    return jax.lax.cond(bad, fall_back, keep, (y,) + operands)
-
-
 def decide_once(attempt_fn, high_precision_fn):
     """A guarded computation that decides once forward and once backward.
 
     Args:
       attempt_fn: ``(params, x, states) -> (y8, (bad, aux))``: the fp8
-        attempt, whether its checks failed (a bool scalar), and anything to
-        hand back (ledger increments).
+        attempt, whether its checks failed (a bool scalar; ``None`` when
+        there is nothing to decide at run time, e.g. a trace-time fallback
+        already made ``y8`` the high-precision result), and anything to hand
+        back (ledger increments).
       high_precision_fn: ``(params, x) -> y``, the fallback.
 
     Returns:
@@ -531,6 +516,8 @@ def decide_once(attempt_fn, high_precision_fn):
     """
 
     def select(bad, y8, params, x):
+        if bad is None:
+            return y8
         return jax.lax.cond(bad, lambda ops: high_precision_fn(*ops[1:]), lambda ops: ops[0], (y8, params, x))
 
     @jax.custom_vjp
@@ -546,6 +533,8 @@ def decide_once(attempt_fn, high_precision_fn):
         vjp8, bad, params, x, states = res
         # A failed attempt's VJP may be garbage (NaN); the cond discards it.
         grads8 = vjp8(cts[0])
+        if bad is None:
+            return (*grads8, jax.tree_util.tree_map(jnp.zeros_like, states))
         gp, gx = jax.lax.cond(bad, lambda ops: jax.vjp(high_precision_fn, ops[1], ops[2])[1](ops[3]),
                               lambda ops: ops[0], (grads8, params, x, cts[0]))
         return gp, gx, jax.tree_util.tree_map(jnp.zeros_like, states)
@@ -556,28 +545,16 @@ def decide_once(attempt_fn, high_precision_fn):
 
 def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor) -> Tuple[jax.Array, ledger_lib.Ledger]:
     """One guarded call: ``(fused output, ledger increments)``."""
-    if not can_fall_back(seam) or isinstance(params, FrozenParams) or _trace_problem(seam, params, x):
+    if not can_fall_back(seam):
         a = attempt(seam, state, params, x, monitor)
-        if a.trace_reason is not None or not can_fall_back(seam):
-            return a.y, attempt_increments(a)
-        # Frozen weights (inference): the fp8 operands are constants, so the
-        # decision is not carried into a VJP; one cond forward.
-        y = _fall_back_if(a.code >= 0, a.y, functools.partial(high_precision, seam), params.hp, x)
-        return y, attempt_increments(a)
+        return a.y, attempt_increments(a)
 
     def attempt_fn(params_, x_, state_):
         a = attempt(seam, state_, params_, x_, monitor)
-        return a.y, (a.code >= 0, attempt_increments(a))
+        # A trace-time fallback has already run the high-precision path.
+        return a.y, (None if a.trace_reason is not None else a.code >= 0, attempt_increments(a))
 
     return decide_once(attempt_fn, functools.partial(high_precision, seam))(params, x, state)
-
-
-def _trace_problem(seam: Seam, params: Any, x: jax.Array) -> bool:
-    """Whether the call takes a trace-time fallback (or raises: `attempt` says why)."""
-    try:
-        return trace_check(contract(seam, input_width(seam, params)), x) is not None
-    except GuardRefused:
-        return True
 
 
 def can_fall_back(seam: Seam) -> bool:

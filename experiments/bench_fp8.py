@@ -468,6 +468,17 @@ def _guard_spec(spec: str) -> tuple:
     return guard, (GRAPH_CONDS if extra else None)
 
 
+def guard_variant(bound: "fp8.BoundBlock", guard: str) -> "fp8.BoundBlock":
+    """The bound block with guard ``'seam'`` / ``'block'`` (where a failed
+    check falls back) or ``'off'`` (no value checks: every call runs fp8).
+    Same calibration and gate for all three. Raises ValueError otherwise."""
+    if guard == "off":
+        return dataclasses.replace(bound, seams={n: sm.replace(check_values=False) for n, sm in bound.seams.items()})
+    if guard not in GUARDS:
+        raise ValueError(f"unknown guard {guard!r}; expected one of {GUARDS}")
+    return bound.with_fallback(guard)
+
+
 def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     log(f"e2e {name}: {c}, attention_impl={impl}, guards {args.guards}")
     cfg = BlockConfig(dim=c["dim"], num_heads=c["heads"], num_kv_heads=c["kv"], ffn_hidden_dim=c["ffn"],
@@ -488,14 +499,7 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
         + ", ".join(f"{n} {cc['worst_cos']:.6f}" for n, cc in bound.certification.items()))
     # One calibration for every guard variant: they differ only in how a
     # failed check falls back (the scales and the gate are the same).
-    variants = {}
-    for spec in args.guards:
-        g, _ = _guard_spec(spec)
-        if g == "off":
-            variants[spec] = dataclasses.replace(
-                bound, seams={n: sm.replace(check_values=False) for n, sm in bound.seams.items()})
-        else:
-            variants[spec] = bound.with_fallback(g)
+    variants = {spec: guard_variant(bound, _guard_spec(spec)[0]) for spec in args.guards}
 
     stack = eae_jax.reconstruct(decoder_block(cfg))
 

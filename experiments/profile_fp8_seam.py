@@ -52,6 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from eae_jax import fp8  # noqa: E402
 from eae_jax.blocks import init_swiglu, rms_norm, swiglu  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_fp8 import guard_variant  # noqa: E402
+
 
 def device_kernel_times(trace_dir: str, iters: int) -> Dict[str, Any]:
     """Sum device-side event durations by name from a profiler trace.
@@ -185,7 +188,6 @@ STEP_CONFIGS = {
 def step_variants(c: Dict[str, int], guards: List[str]) -> List[tuple]:
     """``(name, step, args)``: a reconstruct train step (loss and gradients),
     bf16 and fp8 (qkv, o, ffn seams) with each guard variant."""
-    import dataclasses
 
     import eae_jax
     from eae_jax.blocks import BlockConfig, decoder_block, init_stack
@@ -202,8 +204,7 @@ def step_variants(c: Dict[str, int], guards: List[str]) -> List[tuple]:
         lambda q: jnp.mean(stack(q, x_).astype(jnp.float32) * ct_))(p), (params, x, ct))]
     bound = fp8.bind_block(cfg, params, [x_cal])
     for g in guards:
-        b = (dataclasses.replace(bound, seams={n: sm.replace(check_values=False) for n, sm in bound.seams.items()})
-             if g == "off" else bound.with_fallback(g))
+        b = guard_variant(bound, g)
         stack8 = eae_jax.reconstruct(b.block_fn())
 
         def step(p, s, x_, ct_, stack8=stack8, b=b):

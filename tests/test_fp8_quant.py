@@ -62,6 +62,57 @@ def test_fp8_linear_forward_matches_float64_reference(dtype, rtol, per_row):
     assert 1e-3 < err < 0.08
 
 
+@pytest.mark.parametrize("rows", [(40,), (16, 24), (8, 16, 16)])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_weight_blocks_are_their_concatenation_bit_for_bit(rows, per_row):
+    # Row blocks (gate and up; q, k and v) are quantized apart and joined as
+    # fp8 bytes: forward, dx and the blocks' gradients equal those of the
+    # concatenated weight exactly, as every scale involved is per row of the
+    # weight (forward) or per column over all blocks (dgrad).
+    x = _rand(0, (24, 48), 2.0, jnp.bfloat16)
+    blocks = tuple(_rand(10 + i, (n, 48), 0.1 * (i + 1), jnp.bfloat16) for i, n in enumerate(rows))
+    whole = jnp.concatenate(blocks, axis=0)
+    xs = fp8.scale_from_amax(quant.row_amax(x)) if per_row else jnp.float32(0.02)
+    g = _rand(3, (24, sum(rows)), 1e-2, jnp.bfloat16)
+    y_b, vjp_b = jax.vjp(lambda x_, ws: fp8.fp8_linear(x_, ws, xs), x, blocks)
+    y_w, vjp_w = jax.vjp(lambda x_, w_: fp8.fp8_linear(x_, w_, xs), x, whole)
+    np.testing.assert_array_equal(np.asarray(y_b, np.float32), np.asarray(y_w, np.float32))
+    (dx_b, dws_b), (dx_w, dw_w) = vjp_b(g), vjp_w(g)
+    np.testing.assert_array_equal(np.asarray(dx_b, np.float32), np.asarray(dx_w, np.float32))
+    assert isinstance(dws_b, tuple) and [d.shape for d in dws_b] == [b.shape for b in blocks]
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate(dws_b), np.float32), np.asarray(dw_w, np.float32))
+    # the high-precision concatenation is never built
+    jaxpr = jax.make_jaxpr(lambda x_, ws: jax.vjp(lambda a, b: fp8.fp8_linear(a, b, xs), x_, ws)[1](g))(x, blocks)
+    concats = _concatenations(jaxpr.jaxpr)
+    assert (sum(rows), 48, "bfloat16") not in concats and (48, sum(rows), "bfloat16") not in concats
+    if len(rows) > 1:  # the fp8 bytes are what is joined (forward and dgrad layouts)
+        assert {(sum(rows), 48, "float8_e4m3fn"), (48, sum(rows), "float8_e4m3fn")} <= concats
+
+
+def _concatenations(jaxpr):
+    """``(*shape, dtype)`` of every concatenate in a jaxpr, nested ones included."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "concatenate":
+            found.add(tuple(eqn.outvars[0].aval.shape) + (str(eqn.outvars[0].aval.dtype),))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= _concatenations(inner)
+    return found
+
+
+def test_weight_blocks_bad_inputs():
+    x = _rand(0, (4, 8))
+    with pytest.raises(ValueError, match="do not fit weight"):
+        fp8.fp8_linear(x, (_rand(1, (3, 8)), _rand(2, (3, 9))), jnp.float32(1.0))
+    with pytest.raises(ValueError, match="one dtype"):
+        fp8.fp8_linear(x, (_rand(1, (3, 8)), _rand(2, (3, 8), dtype=jnp.bfloat16)), jnp.float32(1.0))
+    with pytest.raises(ValueError, match="one or more"):
+        fp8.fp8_linear(x, (), jnp.float32(1.0))
+
+
 def _q64(x, scale, dtype=jnp.float8_e4m3fn):
     return np.asarray(fp8.quantize(x, scale, dtype).astype(jnp.float32), np.float64)
 

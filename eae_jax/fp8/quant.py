@@ -186,19 +186,36 @@ def _linear_fwd_math(x, xs, wq, ws, out_dtype, fast):
     return y, xq
 
 
-def _dgrad_weight(w: jax.Array) -> Fp8Weight:
-    """``w.T`` ``(K, N)`` quantized per row of the transpose (per input channel
-    of ``w``): the dgrad contraction runs over ``N``, so this scale factors
-    out of it and the gradient needs no folding."""
-    return quantize_weight(w.T)
+def _quantize_blocks(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
+    """`quantize_weight` of ``concatenate(ws)`` (row blocks of one ``(N, K)``
+    weight, e.g. gate and up), without materialising the high-precision
+    concatenation: each row's scale only depends on that row, so the blocks
+    are quantized apart and only their fp8 bytes are joined."""
+    parts = [quantize_weight(w) for w in ws]
+    if len(parts) == 1:
+        return parts[0]
+    return Fp8Weight(jnp.concatenate([q.q for q in parts], axis=0), jnp.concatenate([q.scale for q in parts]))
+
+
+def _dgrad_weight(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
+    """``w.T`` ``(K, N)`` for ``w = concatenate(ws)``, quantized per row of the
+    transpose (per input channel of ``w``): the dgrad contraction runs over
+    ``N``, so this scale factors out of it and the gradient needs no folding.
+    The column amax spans every block; each block is transposed and
+    quantized on its own."""
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(w.astype(jnp.float32)), axis=0) for w in ws])
+    scale = scale_from_amax(amax, E4M3)
+    qs = [quantize(w.T, scale[:, None], E4M3) for w in ws]
+    return Fp8Weight(qs[0] if len(qs) == 1 else jnp.concatenate(qs, axis=1), scale)
 
 
 def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast):
     """dx (and dw when ``w_dtype`` is given) from the output gradient ``g``.
 
-    ``w`` is the live weight (dgrad operand requantized per input channel)
-    or an `Fp8Weight` (frozen: its per-output-channel scale is folded into
-    ``g`` for dgrad, and no dw).
+    ``w`` is the live weight as a tuple of row blocks (dgrad operand
+    requantized per input channel; dw returned whole, ``(N, K)``) or an
+    `Fp8Weight` (frozen: its per-output-channel scale is folded into ``g``
+    for dgrad, and no dw).
     """
     g32 = g.astype(jnp.float32)
     gmax = jnp.max(jnp.abs(g32))
@@ -228,24 +245,25 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _linear_live(x, w, xs, fast):
-    wq = quantize_weight(w)
+def _linear_live(x, ws, xs, fast):
+    wq = _quantize_blocks(ws)
     return _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])[0]
 
 
-def _linear_live_fwd(x, w, xs, fast):
-    wq = quantize_weight(w)
+def _linear_live_fwd(x, ws, xs, fast):
+    wq = _quantize_blocks(ws)
     y, xq = _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])
     # Residuals: the fp8 activations (half the bytes of bf16 ones), their
-    # scale, the weight itself (a primal input, so no copy) and a zero-size
-    # carrier of the activation dtype.
-    return y, (xq, xs, w, jnp.zeros((0,), x.dtype))
+    # scale, the weight blocks themselves (primal inputs, so no copy) and a
+    # zero-size carrier of the activation dtype.
+    return y, (xq, xs, ws, jnp.zeros((0,), x.dtype))
 
 
 def _linear_live_bwd(fast, res, g):
-    xq, xs, w, xd = res
-    dx, dw = _linear_bwd_math(g, xq, xs, w, xd.dtype, w.dtype, fast[1])
-    return dx, dw, jnp.zeros_like(xs)
+    xq, xs, ws, xd = res
+    dx, dw = _linear_bwd_math(g, xq, xs, ws, xd.dtype, ws[0].dtype, fast[1])
+    rows = np.cumsum([w.shape[0] for w in ws])[:-1].tolist()
+    return dx, tuple(jnp.split(dw, rows, axis=0)), jnp.zeros_like(xs)
 
 
 _linear_live.defvjp(_linear_live_fwd, _linear_live_bwd)
@@ -271,7 +289,7 @@ def _linear_frozen_bwd(fast, res, g):
 _linear_frozen.defvjp(_linear_frozen_fwd, _linear_frozen_bwd)
 
 
-def fp8_linear(x: jax.Array, w: Union[jax.Array, Fp8Weight], x_scale: jax.Array,
+def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weight], x_scale: jax.Array,
                fast_accum: Tuple[bool, bool] = (True, False)) -> jax.Array:
     """``x @ w.T`` through an fp8 GEMM, differentiable with an fp8 backward.
 
@@ -288,7 +306,10 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Fp8Weight], x_scale: jax.Array,
     Args:
       x: ``(M, K)`` activations (bf16/f16/f32); the output has this dtype.
       w: ``(N, K)`` weight in a float dtype (quantized on every call, the
-        training path) or an `Fp8Weight` (quantized once, inference).
+        training path), a tuple of such weights standing for their
+        concatenation along ``N`` (e.g. gate and up: the same result without
+        materialising the concatenated weight; the gradient is a tuple too),
+        or an `Fp8Weight` (quantized once, inference).
       x_scale: float32 scalar (per-tensor) or ``(M, 1)`` (per-row) scale.
       fast_accum: ``(forward, backward)``: whether those GEMMs may use
         cuBLASLt's fp8 fast accumulation (see `fp8_matmul`). Default: fast
@@ -299,20 +320,26 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Fp8Weight], x_scale: jax.Array,
       ``(M, N)`` in ``x.dtype``.
 
     Raises:
-      ValueError: shapes that do not fit, or an ``x_scale`` of another shape.
+      ValueError: shapes that do not fit (or weight blocks that differ in
+        input width or dtype), or an ``x_scale`` of another shape.
     """
     if x.ndim != 2:
         raise ValueError(f"fp8_linear expects 2-D activations (M, K), got shape {x.shape}")
-    wshape = w.q.shape if isinstance(w, Fp8Weight) else w.shape
-    if len(wshape) != 2 or wshape[1] != x.shape[1]:
-        raise ValueError(f"fp8_linear: activations {x.shape} do not fit weight {tuple(wshape)} (out, in)")
+    # Fp8Weight is a NamedTuple: test it before taking tuples as blocks.
+    blocks = None if isinstance(w, Fp8Weight) else (tuple(w) if isinstance(w, (tuple, list)) else (w,))
+    for wshape in [w.q.shape] if blocks is None else [b.shape for b in blocks]:
+        if len(wshape) != 2 or wshape[1] != x.shape[1]:
+            raise ValueError(f"fp8_linear: activations {x.shape} do not fit weight {tuple(wshape)} (out, in)")
+    if blocks is not None and (not blocks or len({b.dtype for b in blocks}) != 1):
+        raise ValueError(f"fp8_linear: weight blocks must be one or more arrays of one dtype, "
+                         f"got {[str(b.dtype) for b in blocks]}")
     x_scale = jnp.asarray(x_scale, jnp.float32)
     if x_scale.shape not in ((), (x.shape[0], 1)):
         raise ValueError(f"x_scale must be a scalar or ({x.shape[0]}, 1), got shape {x_scale.shape}")
     fast = (bool(fast_accum[0]), bool(fast_accum[1]))
-    if isinstance(w, Fp8Weight):
+    if blocks is None:
         return _linear_frozen(x, w.q, w.scale, x_scale, fast)
-    return _linear_live(x, w, x_scale, fast)
+    return _linear_live(x, blocks, x_scale, fast)
 
 
 def reference_linear(x: jax.Array, w: jax.Array, x_scale: jax.Array) -> np.ndarray:

@@ -297,20 +297,21 @@ def high_precision(seam: Seam, params: Any, x: jax.Array) -> jax.Array:
 
 
 def _groups(seam: Seam, params: Any):
-    """The weights of each fused GEMM: live arrays or frozen `Fp8Weight`s."""
+    """The weights of each fused GEMM: frozen `Fp8Weight`s, or live weights as
+    tuples of row blocks (`fp8_linear` quantizes them apart and joins only
+    the fp8 bytes, so no high-precision concatenation is materialised)."""
     if isinstance(params, FrozenParams):
         return params.fp8
     if seam.kind == "swiglu":
-        return (jnp.concatenate([params["w_gate"], params["w_up"]], axis=0), params["w_down"])
-    ws = [params[n] for n in seam.weights]
-    return (ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=0),)
+        return ((params["w_gate"], params["w_up"]), (params["w_down"],))
+    return (tuple(params[n] for n in seam.weights),)
 
 
 def freeze(seam: Seam, params: dict) -> FrozenParams:
     """Quantize a seam's weights once (per output channel) for inference."""
     seam_dims(seam, params)
     groups = _groups(seam, params)
-    return FrozenParams(params, tuple(quantize_weight(g) for g in groups))
+    return FrozenParams(params, tuple(quantize_weight(jnp.concatenate(g, axis=0)) for g in groups))
 
 
 def _act_scale(seam: Seam, x2: jax.Array, static_scale: jax.Array) -> jax.Array:

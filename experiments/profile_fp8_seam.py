@@ -188,7 +188,6 @@ STEP_CONFIGS = {
 def step_variants(c: Dict[str, int], guards: List[str]) -> List[tuple]:
     """``(name, step, args)``: a reconstruct train step (loss and gradients),
     bf16 and fp8 (qkv, o, ffn seams) with each guard variant."""
-
     import eae_jax
     from eae_jax.blocks import BlockConfig, decoder_block, init_stack
 

@@ -211,9 +211,9 @@ def fp8_block(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None, fallback: 
         reason ``'block'``, which neither extends their run of consecutive
         fallbacks nor detaches them). A cond is a branch point XLA cannot
         fuse across (its operands and results are materialised); in a
-        reconstruct train step each decision
-        costs one cond forward and one backward, and the recomputation
-        decides again only where a seam's output feeds the rest of the block
+        reconstruct train step each decision costs one cond forward and one
+        backward, and the recomputation decides again only where a seam's
+        output feeds the rest of the block
         (`eae_jax.fp8.seams.decide_once`): the three block seams take 8
         conds per layer with ``'seam'`` and 2 with ``'block'``.
         A detached seam makes every call of its block fall back under

@@ -186,11 +186,15 @@ def _linear_fwd_math(x, xs, wq, ws, out_dtype, fast):
     return y, xq
 
 
-def _quantize_blocks(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
+def quantize_weight_blocks(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
     """`quantize_weight` of ``concatenate(ws)`` (row blocks of one ``(N, K)``
     weight, e.g. gate and up), without materialising the high-precision
     concatenation: each row's scale only depends on that row, so the blocks
-    are quantized apart and only their fp8 bytes are joined."""
+    are quantized apart and only their fp8 bytes are joined.
+
+    Raises:
+      ValueError: a block is not 2-D.
+    """
     parts = [quantize_weight(w) for w in ws]
     if len(parts) == 1:
         return parts[0]
@@ -246,12 +250,12 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _linear_live(x, ws, xs, fast):
-    wq = _quantize_blocks(ws)
+    wq = quantize_weight_blocks(ws)
     return _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])[0]
 
 
 def _linear_live_fwd(x, ws, xs, fast):
-    wq = _quantize_blocks(ws)
+    wq = quantize_weight_blocks(ws)
     y, xq = _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])
     # Residuals: the fp8 activations (half the bytes of bf16 ones), their
     # scale, the weight blocks themselves (primal inputs, so no copy) and a

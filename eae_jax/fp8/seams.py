@@ -49,7 +49,7 @@ from eae_jax.blocks.linear import linear
 from eae_jax.blocks.swiglu import swiglu
 from eae_jax.fp8 import ledger as ledger_lib
 from eae_jax.fp8.guards import Contract, GuardRefused, trace_check, value_stats
-from eae_jax.fp8.quant import E4M3, fp8_linear, fp8_max, quantize_weight, row_amax, scale_from_amax
+from eae_jax.fp8.quant import E4M3, fp8_linear, fp8_max, quantize_weight_blocks, row_amax, scale_from_amax
 
 SCALINGS = ("static", "delayed", "row")
 KINDS = ("swiglu", "dense")
@@ -311,7 +311,7 @@ def freeze(seam: Seam, params: dict) -> FrozenParams:
     """Quantize a seam's weights once (per output channel) for inference."""
     seam_dims(seam, params)
     groups = _groups(seam, params)
-    return FrozenParams(params, tuple(quantize_weight(jnp.concatenate(g, axis=0)) for g in groups))
+    return FrozenParams(params, tuple(quantize_weight_blocks(g) for g in groups))
 
 
 def _act_scale(seam: Seam, x2: jax.Array, static_scale: jax.Array) -> jax.Array:
@@ -450,9 +450,10 @@ def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=Non
     # same values it quantizes, so XLA can fuse them into the quantizing
     # kernels; the caller's single lax.cond afterwards replaces the result
     # when a check failed (one branch point per decision: XLA cannot fuse
-    # across a cond, and the common path pays no extra pass). A fallback wastes the fp8 work, which is fine for
-    # something that should be rare (a detached seam keeps paying it: drop
-    # the seam from the block to stop that).
+    # across a cond, and the common path pays no extra pass). A fallback
+    # wastes the fp8 work, which is fine for something that should be rare
+    # (a detached seam keeps paying it: drop the seam from the block to stop
+    # that).
     x2 = x.reshape(-1, width)
     groups = _groups(seam, params)
     amax_in, sat_in = value_stats(x2, scales[0] if static else None, fmax)
@@ -534,12 +535,11 @@ def decide_once(attempt_fn, high_precision_fn):
     def bwd(res, cts):
         vjp8, bad, params, x, states = res
         # A failed attempt's VJP may be garbage (NaN); the cond discards it.
-        grads8 = vjp8(cts[0])
-        if bad is None:
-            return (*grads8, jax.tree_util.tree_map(jnp.zeros_like, states))
-        gp, gx = jax.lax.cond(bad, lambda ops: jax.vjp(high_precision_fn, ops[1], ops[2])[1](ops[3]),
-                              lambda ops: ops[0], (grads8, params, x, cts[0]))
-        return gp, gx, jax.tree_util.tree_map(jnp.zeros_like, states)
+        grads = vjp8(cts[0])
+        if bad is not None:
+            grads = jax.lax.cond(bad, lambda ops: jax.vjp(high_precision_fn, ops[1], ops[2])[1](ops[3]),
+                                 lambda ops: ops[0], (grads, params, x, cts[0]))
+        return (*grads, jax.tree_util.tree_map(jnp.zeros_like, states))
 
     run.defvjp(fwd, bwd)
     return run

@@ -10,6 +10,7 @@ import pytest
 import eae_jax
 from eae_jax import fp8
 from eae_jax.blocks import BlockConfig, decoder_block, init_stack, plain_stack
+from jaxpr_walk import all_eqns
 
 DEPTH = 3
 
@@ -220,17 +221,8 @@ def test_block_fallback_takes_two_conditionals_per_layer(setup):
 
 
 def _cond_operands(jaxpr):
-    """Avals of every operand of every ``cond`` in a (closed) jaxpr, nested ones included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
-            found.extend(v.aval for v in eqn.invars[1:])
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found.extend(_cond_operands(inner))
-    return found
+    """Avals of every operand of every ``cond`` in a jaxpr, nested ones included."""
+    return [v.aval for eqn in all_eqns(jaxpr) if eqn.primitive.name == "cond" for v in eqn.invars[1:]]
 
 
 @pytest.mark.parametrize("fallback", ["seam", "block"])

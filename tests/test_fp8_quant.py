@@ -11,6 +11,7 @@ import pytest
 
 from eae_jax import fp8
 from eae_jax.fp8 import quant
+from jaxpr_walk import all_eqns
 
 
 def _rand(key, shape, scale=1.0, dtype=jnp.float32):
@@ -91,16 +92,8 @@ def test_weight_blocks_are_their_concatenation_bit_for_bit(rows, per_row):
 
 def _concatenations(jaxpr):
     """``(*shape, dtype)`` of every concatenate in a jaxpr, nested ones included."""
-    found = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "concatenate":
-            found.add(tuple(eqn.outvars[0].aval.shape) + (str(eqn.outvars[0].aval.dtype),))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found |= _concatenations(inner)
-    return found
+    return {tuple(eqn.outvars[0].aval.shape) + (str(eqn.outvars[0].aval.dtype),)
+            for eqn in all_eqns(jaxpr) if eqn.primitive.name == "concatenate"}
 
 
 def test_weight_blocks_bad_inputs():

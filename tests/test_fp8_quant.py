@@ -156,6 +156,59 @@ def test_frozen_weight_backward_folds_its_channel_scale_into_the_gradient():
     np.testing.assert_allclose(np.asarray(dx), (g1 @ wq) * float(s1), rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("per_row,frozen", [(False, False), (True, False), (False, True)])
+def test_delayed_grad_scale_equal_to_current_gives_identical_gradients(per_row, frozen):
+    """Delayed scaling with the scale current scaling would derive computes
+    exactly what current scaling computes; the scale handle's cotangent is
+    the observed gradient amax, with or without delayed scaling."""
+    x = _rand(0, (32, 48), 1.5)
+    w = _rand(1, (16, 48), 0.2)
+    g = _rand(2, (32, 16), 1e-3)
+    xs = fp8.scale_from_amax(quant.row_amax(x)) if per_row else jnp.float32(0.01)
+    wt = fp8.quantize_weight(w) if frozen else w
+    gmax = jnp.max(jnp.abs(g))
+    current = jax.vjp(lambda x_, w_: fp8.fp8_linear(x_, wt if frozen else w_, xs), x, w)[1](g)
+    for delayed in (False, True):
+        gs = fp8.scale_from_amax(gmax, jnp.float8_e5m2)
+
+        def f(x_, w_, s_):
+            return fp8.fp8_linear(x_, wt if frozen else w_, xs, grad_scale=s_, delayed_grad=delayed)
+
+        dx, dw, ds = jax.vjp(f, x, w, gs)[1](g)
+        if per_row or frozen:
+            # A folded gradient's scale is (gmax / 57344) * max(fold) here and
+            # gmax * max(fold) / 57344 under current scaling: equal up to
+            # float32 rounding, which may move an element across an e5m2
+            # rounding boundary.
+            def check(a, b):
+                assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
+        else:
+            check = np.testing.assert_array_equal
+        check(np.asarray(dx), np.asarray(current[0]))
+        if not frozen:
+            check(np.asarray(dw), np.asarray(current[1]))
+        np.testing.assert_allclose(float(ds), float(gmax), rtol=1e-7)
+
+
+def test_delayed_grad_scale_is_used_and_saturates_beyond_its_range():
+    x = _rand(0, (32, 48), 1.5)
+    w = _rand(1, (16, 48), 0.2)
+    g = _rand(2, (32, 16), 1e-3)
+    xs = jnp.float32(0.01)
+    gmax = float(jnp.max(jnp.abs(g)))
+    small = jnp.float32(gmax / 4 / 57344.0)  # the range ends at a quarter of the gradient's amax
+    dx = jax.vjp(lambda x_: fp8.fp8_linear(x_, w, xs, grad_scale=small, delayed_grad=True), x)[1](g)[0]
+    gq = _q64(jnp.clip(g, -gmax / 4, gmax / 4), small, jnp.float8_e5m2)
+    s_wt = fp8.scale_from_amax(quant.row_amax(w.T)[:, 0])
+    wtq = _q64(w.T, s_wt[:, None])
+    np.testing.assert_allclose(np.asarray(dx), (gq @ wtq.T) * float(small) * np.asarray(s_wt, np.float64)[None, :],
+                               rtol=1e-5, atol=1e-9)
+    with pytest.raises(ValueError, match="delayed_grad needs a grad_scale"):
+        fp8.fp8_linear(x, w, xs, delayed_grad=True)
+    with pytest.raises(ValueError, match="grad_scale must be a float32 scalar"):
+        fp8.fp8_linear(x, w, xs, grad_scale=jnp.ones((2,)), delayed_grad=True)
+
+
 @pytest.mark.parametrize("fast_accum,n_highest", [((True, True), 0), ((True, False), 2), ((False, False), 3)])
 def test_fast_accum_flags_set_the_dot_precision(fast_accum, n_highest):
     """The flags reach the lowered dots: fast -> default precision, else HIGHEST

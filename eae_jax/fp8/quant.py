@@ -213,27 +213,41 @@ def _dgrad_weight(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
     return Fp8Weight(qs[0] if len(qs) == 1 else jnp.concatenate(qs, axis=1), scale)
 
 
-def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast):
-    """dx (and dw when ``w_dtype`` is given) from the output gradient ``g``.
+def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None):
+    """dx (and dw when ``w_dtype`` is given) from the output gradient ``g``,
+    and the observed ``amax(|g|)``.
 
     ``w`` is the live weight as a tuple of row blocks (dgrad operand
     requantized per input channel; dw returned whole, ``(N, K)``) or an
     `Fp8Weight` (frozen: its per-output-channel scale is folded into ``g``
-    for dgrad, and no dw).
+    for dgrad, and no dw). ``g_scale``: None for current scaling (the e5m2
+    scale derived from this ``g``'s amax, which the quantization must wait
+    for), else the float32 e5m2 scale to use (delayed scaling: the amax
+    reduction no longer gates the quantization, so both can run in one
+    pass over ``g``; values beyond the scale's range saturate).
     """
     g32 = g.astype(jnp.float32)
     gmax = jnp.max(jnp.abs(g32))
     per_tensor_x = xs.ndim == 0
+
+    def folded(fold):
+        # e5m2 quantization of g * fold: current scaling bounds |g * fold| by
+        # gmax * max(fold); delayed scales the given scale the same way.
+        if g_scale is None:
+            return _e5m2_grad(g32, fold, gmax * jnp.max(fold))
+        scale = g_scale * jnp.max(fold)
+        return quantize(g32 * fold, scale, E5M2), scale
+
     if isinstance(w, Fp8Weight):
         # dx[m,k] = sum_n g[m,n] ws[n] wq[n,k]: ws sits on the contraction axis.
-        gq_d, gs_d = _e5m2_grad(g32, w.scale[None, :], gmax * jnp.max(w.scale))
+        gq_d, gs_d = folded(w.scale[None, :])
         dx = fp8_matmul(gq_d, w.q.T, gemm_out_dtype(x_dtype), precise=not fast)
-        return (dx.astype(jnp.float32) * gs_d).astype(x_dtype), None
+        return (dx.astype(jnp.float32) * gs_d).astype(x_dtype), None, gmax
     # One e5m2 quantization of g serves both GEMMs when x has a per-tensor
     # scale (static/delayed scaling): dgrad uses a weight scaled per input
     # channel (factors out of the N-contraction), wgrad multiplies the scalar
     # x scale into the result.
-    gs = scale_from_amax(gmax, E5M2)
+    gs = scale_from_amax(gmax, E5M2) if g_scale is None else g_scale
     gq = quantize(g32, gs, E5M2)
     wt = _dgrad_weight(w)
     dx = fp8_matmul(gq, wt.q, gemm_out_dtype(x_dtype), precise=not fast)
@@ -243,58 +257,74 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast):
     else:
         # dw[n,k] = sum_m g[m,n] xs[m] xq[m,k]: a per-row x scale sits on the
         # contraction axis and is folded into g (e5m2 has the range for it).
-        gq_w, gs_w = _e5m2_grad(g32, xs, gmax * jnp.max(xs))
+        gq_w, gs_w = folded(xs)
     dw = fp8_matmul(gq_w.T, xq.T, gemm_out_dtype(w_dtype), precise=not fast)
-    return dx, (dw.astype(jnp.float32) * gs_w).astype(w_dtype)
+    return dx, (dw.astype(jnp.float32) * gs_w).astype(w_dtype), gmax
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _linear_live(x, ws, xs, fast):
+def _grad_scale_arg(gs, delayed):
+    """The e5m2 scale the backward quantizes with (None: current scaling)."""
+    return gs if delayed and gs.shape != (0,) else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _linear_live(x, ws, xs, gs, fast):
     wq = quantize_weight_blocks(ws)
     return _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])[0]
 
 
-def _linear_live_fwd(x, ws, xs, fast):
+def _linear_live_fwd(x, ws, xs, gs, fast):
     wq = quantize_weight_blocks(ws)
     y, xq = _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])
     # Residuals: the fp8 activations (half the bytes of bf16 ones), their
-    # scale, the weight blocks themselves (primal inputs, so no copy) and a
-    # zero-size carrier of the activation dtype.
-    return y, (xq, xs, ws, jnp.zeros((0,), x.dtype))
+    # scale, the weight blocks themselves (primal inputs, so no copy), the
+    # delayed gradient scale and a zero-size carrier of the activation dtype.
+    return y, (xq, xs, ws, gs, jnp.zeros((0,), x.dtype))
 
 
 def _linear_live_bwd(fast, res, g):
-    xq, xs, ws, xd = res
-    dx, dw = _linear_bwd_math(g, xq, xs, ws, xd.dtype, ws[0].dtype, fast[1])
+    xq, xs, ws, gs, xd = res
+    dx, dw, gmax = _linear_bwd_math(g, xq, xs, ws, xd.dtype, ws[0].dtype, fast[1], _grad_scale_arg(gs, fast[2]))
     rows = np.cumsum([w.shape[0] for w in ws])[:-1].tolist()
-    return dx, tuple(jnp.split(dw, rows, axis=0)), jnp.zeros_like(xs)
+    return dx, tuple(jnp.split(dw, rows, axis=0)), jnp.zeros_like(xs), _observed(gs, gmax)
 
 
 _linear_live.defvjp(_linear_live_fwd, _linear_live_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _linear_frozen(x, wq, ws, xs, fast):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _linear_frozen(x, wq, ws, xs, gs, fast):
     return _linear_fwd_math(x, xs, wq, ws, x.dtype, fast[0])[0]
 
 
-def _linear_frozen_fwd(x, wq, ws, xs, fast):
+def _linear_frozen_fwd(x, wq, ws, xs, gs, fast):
     y, xq = _linear_fwd_math(x, xs, wq, ws, x.dtype, fast[0])
-    return y, (xq, xs, wq, ws, jnp.zeros((0,), x.dtype))
+    return y, (xq, xs, wq, ws, gs, jnp.zeros((0,), x.dtype))
 
 
 def _linear_frozen_bwd(fast, res, g):
-    xq, xs, wq, ws, xd = res
-    dx, _ = _linear_bwd_math(g, xq, xs, Fp8Weight(wq, ws), xd.dtype, None, fast[1])
+    xq, xs, wq, ws, gs, xd = res
+    dx, _, gmax = _linear_bwd_math(g, xq, xs, Fp8Weight(wq, ws), xd.dtype, None, fast[1],
+                                _grad_scale_arg(gs, fast[2]))
     # A frozen weight is a constant: zero cotangents for it and its scale.
-    return dx, jnp.zeros_like(wq), jnp.zeros_like(ws), jnp.zeros_like(xs)
+    return dx, jnp.zeros_like(wq), jnp.zeros_like(ws), jnp.zeros_like(xs), _observed(gs, gmax)
+
+
+def _observed(gs, gmax):
+    """The "cotangent" of the gradient scale handle: the amax this backward
+    observed (how `eae_jax.fp8` gets it out of a compiled step, like the
+    ledger's counts); nothing when no handle was given."""
+    if gs.shape == (0,):
+        return jnp.zeros_like(gs)
+    return jnp.where(jnp.isfinite(gmax), gmax, 0.0).astype(gs.dtype)
 
 
 _linear_frozen.defvjp(_linear_frozen_fwd, _linear_frozen_bwd)
 
 
 def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weight], x_scale: jax.Array,
-               fast_accum: Tuple[bool, bool] = (True, False)) -> jax.Array:
+               fast_accum: Tuple[bool, bool] = (True, False), grad_scale: Any = None,
+               delayed_grad: bool = False) -> jax.Array:
     """``x @ w.T`` through an fp8 GEMM, differentiable with an fp8 backward.
 
     The forward quantizes ``x / x_scale`` to e4m3 and (for a live weight)
@@ -306,6 +336,14 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
     gradient serves both GEMMs. ``x_scale`` gets a zero cotangent (scales are
     calibrated, not trained); a live weight gets the straight-through
     gradient ``g^T x``; an `Fp8Weight` gets zeros.
+
+    ``grad_scale`` is the output gradient's e5m2 scale handle: its
+    cotangent is the gradient amax the backward observed (not a derivative:
+    the way the next step's scale gets out of a compiled step, like the
+    ledger's counts, see `eae_jax.fp8.ledger`). With ``delayed_grad`` the
+    backward also quantizes the gradient with that scale ("delayed
+    scaling") instead of one derived from this gradient's own amax, so the
+    quantization need not wait for a reduction over the whole gradient.
 
     Args:
       x: ``(M, K)`` activations (bf16/f16/f32); the output has this dtype.
@@ -319,13 +357,20 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
         cuBLASLt's fp8 fast accumulation (see `fp8_matmul`). Default: fast
         forward (K is a model width), float32-promoted backward (the wgrad
         contraction runs over every token).
+      grad_scale: None, or a float32 scalar: the e5m2 scale of the output
+        gradient (used with ``delayed_grad``; its cotangent is the observed
+        amax either way).
+      delayed_grad: quantize the output gradient with ``grad_scale``
+        (magnitudes beyond ``grad_scale * 57344`` saturate) instead of a
+        scale from its own amax.
 
     Returns:
       ``(M, N)`` in ``x.dtype``.
 
     Raises:
       ValueError: shapes that do not fit (or weight blocks that differ in
-        input width or dtype), or an ``x_scale`` of another shape.
+        input width or dtype), or an ``x_scale`` / ``grad_scale`` of
+        another shape.
     """
     if x.ndim != 2:
         raise ValueError(f"fp8_linear expects 2-D activations (M, K), got shape {x.shape}")
@@ -340,10 +385,18 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
     x_scale = jnp.asarray(x_scale, jnp.float32)
     if x_scale.shape not in ((), (x.shape[0], 1)):
         raise ValueError(f"x_scale must be a scalar or ({x.shape[0]}, 1), got shape {x_scale.shape}")
-    fast = (bool(fast_accum[0]), bool(fast_accum[1]))
+    fast = (bool(fast_accum[0]), bool(fast_accum[1]), bool(delayed_grad))
+    if grad_scale is None:
+        if delayed_grad:
+            raise ValueError("delayed_grad needs a grad_scale")
+        gs = jnp.zeros((0,), jnp.float32)
+    else:
+        gs = jnp.asarray(grad_scale, jnp.float32)
+        if gs.shape != ():
+            raise ValueError(f"grad_scale must be a float32 scalar, got shape {gs.shape}")
     if blocks is None:
-        return _linear_frozen(x, w.q, w.scale, x_scale, fast)
-    return _linear_live(x, blocks, x_scale, fast)
+        return _linear_frozen(x, w.q, w.scale, x_scale, gs, fast)
+    return _linear_live(x, blocks, x_scale, gs, fast)
 
 
 def reference_linear(x: jax.Array, w: jax.Array, x_scale: jax.Array) -> np.ndarray:

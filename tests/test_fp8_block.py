@@ -186,7 +186,13 @@ def test_saturating_seam_falls_back_at_its_granularity_under_reconstruct(setup, 
     # The forward-returning variant (inference) counts the same.
     blk = bound.block_fn_with_ledger()
     _, incs = jax.jit(lambda p, x: jax.lax.scan(lambda h, pi: blk(pi, h), x, p))(bound.params(params, state), x)
-    assert bound.report(bound.fold(state, incs, notify=False)) == bound.report(new)
+    # (gradient scales come from a backward only)
+    def counts(rep):
+        return [{k: v for k, v in e.items() if not k.startswith("grad_")} for e in rep]
+    assert counts(bound.report(bound.fold(state, incs, notify=False))) == counts(bound.report(new))
+    # A call that ran fp8 observed its gradients; a fallen-back one did not.
+    for e in bound.report(new):
+        assert (min(e["grad_scales"]) > 0) == (e["fp8_calls"] == 1), e
 
     # Block-level: layer 1 is the high-precision block, bit for bit, in the
     # forward and in its gradients (the other layers stay fp8 in both runs).

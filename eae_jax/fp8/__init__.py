@@ -56,6 +56,8 @@ from eae_jax.fp8.seams import (
     init_state,
     out_proj_seam,
     qkv_seam,
+    require_grad_scales,
+    state_report,
 )
 
 __all__ = [
@@ -64,5 +66,6 @@ __all__ = [
     "SeamState", "apply", "apply_with_ledger", "bind", "bind_block", "block_seams", "cosine", "count",
     "dense_seam", "dequantize", "ffn_seam", "fold", "fold_state", "fp8_block", "fp8_block_with_ledger",
     "fp8_forward", "fp8_linear", "fp8_matmul", "fp8_max", "high_precision", "init_block_state", "init_ledger",
-    "init_state", "out_proj_seam", "policy_seams", "qkv_seam", "quantize", "quantize_weight", "report", "scale_from_amax",
+    "init_state", "out_proj_seam", "policy_seams", "qkv_seam", "quantize", "quantize_weight", "report",
+    "require_grad_scales", "scale_from_amax", "state_report",
 ]

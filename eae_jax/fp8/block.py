@@ -328,8 +328,24 @@ class BoundBlock:
         fallbacks by reason, last reason, consecutive, detached."""
         out = []
         for n in self.seams:
-            out.extend(ledger_lib.report(state[n].ledger, n))
+            out.extend(seams_lib.state_report(state[n], n))
         return out
+
+    def with_grad_scaling(self, grad_scaling: str) -> "BoundBlock":
+        """The same bound block with every seam's gradient scaling set to
+        ``'current'`` or ``'delayed'`` (see `eae_jax.fp8.SeamConfig`). A
+        train loop runs its first step with ``'current'`` (which records the
+        gradient amax), folds it, then switches to ``'delayed'``."""
+        if grad_scaling not in seams_lib.GRAD_SCALINGS:
+            raise ValueError(f"unknown grad_scaling {grad_scaling!r}; expected one of {seams_lib.GRAD_SCALINGS}")
+        return dataclasses.replace(self, seams={n: sm.replace(grad_scaling=grad_scaling)
+                                                for n, sm in self.seams.items()})
+
+    def require_grad_scales(self, state: Dict[str, SeamState]) -> None:
+        """Raise ValueError unless every seam and layer of ``state`` has
+        observed gradient scales (what ``'delayed'`` gradient scaling needs)."""
+        for n in self.seams:
+            seams_lib.require_grad_scales(self.seams[n], state[n])
 
 
 def _depth_of(cfg: BlockConfig, params) -> Optional[int]:
@@ -477,9 +493,7 @@ def bind_block(
             "gate_cos": seam.config.gate_cos if gate_cos is None else float(gate_cos),
             "gate_boundary": "block boundary (incl. residual)", "act_scaling": seam.config.act_scaling,
         }
-        ledger = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (depth,) + a.shape),
-                                        ledger_lib.init_ledger(seam.points))
-        state[n] = SeamState(jnp.asarray(used[n], jnp.float32), ledger)
+        state[n] = _layer_states(seam, depth, used[n])
     return BoundBlock(cfg, seams, state, cert, fallback=fallback)
 
 
@@ -490,7 +504,13 @@ def init_block_state(seams: Dict[str, Seam], depth: int, scales: Optional[Dict[s
     for n, seam in seams.items():
         s = np.ones((depth, seam.points), np.float32) if not scales or n not in scales else \
             np.broadcast_to(np.asarray(scales[n], np.float32), (depth, seam.points))
-        ledger = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (depth,) + a.shape),
-                                        ledger_lib.init_ledger(seam.points))
-        out[n] = SeamState(jnp.asarray(s), ledger)
+        out[n] = _layer_states(seam, depth, s)
     return out
+
+
+def _layer_states(seam: Seam, depth: int, scales) -> SeamState:
+    """A seam's state for ``depth`` layers with ``(depth, points)`` activation
+    scales, a zeroed ledger and unobserved gradient scales."""
+    one = seams_lib.init_state(seam)
+    stacked = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (depth,) + a.shape), one)
+    return stacked._replace(scales=jnp.asarray(scales, jnp.float32))

@@ -49,9 +49,10 @@ from eae_jax.blocks.linear import linear
 from eae_jax.blocks.swiglu import swiglu
 from eae_jax.fp8 import ledger as ledger_lib
 from eae_jax.fp8.guards import Contract, GuardRefused, trace_check, value_stats
-from eae_jax.fp8.quant import E4M3, fp8_linear, fp8_max, quantize_weight_blocks, row_amax, scale_from_amax
+from eae_jax.fp8.quant import E4M3, E5M2, fp8_linear, fp8_max, quantize_weight_blocks, row_amax, scale_from_amax
 
 SCALINGS = ("static", "delayed", "row")
+GRAD_SCALINGS = ("current", "delayed")
 KINDS = ("swiglu", "dense")
 
 
@@ -93,6 +94,17 @@ class SeamConfig:
         cuBLASLt's fp8 fast accumulation (`eae_jax.fp8.quant.fp8_matmul`;
         no effect off GPU). The gradient GEMMs default to float32-promoted
         accumulation: their contractions run over every token.
+      grad_scaling: how each GEMM's output gradient gets its e5m2 scale.
+        ``'current'``: from that gradient's own amax (a reduction over the
+        whole gradient that its quantization has to wait for).
+        ``'delayed'``: from the amax observed at the same GEMM in the
+        previous step (`SeamState.grad_scales`, updated by `fold_state`),
+        so reduction and quantization can share one pass. Needs observed
+        scales: run a step with ``'current'`` first (observations are
+        recorded in either mode); `require_grad_scales` checks.
+      grad_margin: headroom of delayed gradient scales, in powers of two
+        (a gradient that grew by more than that since the last step
+        saturates; `fold_state` counts it in ``grad_clipped``).
     """
 
     act_scaling: str = "static"
@@ -110,10 +122,16 @@ class SeamConfig:
     gate_cos: float = 0.999
     fast_accum_fwd: bool = True
     fast_accum_bwd: bool = False
+    grad_scaling: str = "current"
+    grad_margin: float = 2.0
 
     def __post_init__(self):
         if self.act_scaling not in SCALINGS:
             raise ValueError(f"unknown act_scaling {self.act_scaling!r}; expected one of {SCALINGS}")
+        if self.grad_scaling not in GRAD_SCALINGS:
+            raise ValueError(f"unknown grad_scaling {self.grad_scaling!r}; expected one of {GRAD_SCALINGS}")
+        if not 0.0 <= self.grad_margin <= 16.0:
+            raise ValueError(f"grad_margin must be in [0, 16] binades, got {self.grad_margin}")
         if not 0.0 <= self.saturation_threshold < 1.0:
             raise ValueError(f"saturation_threshold must be in [0, 1), got {self.saturation_threshold}")
         if not 0.0 <= self.gate_cos <= 1.0:
@@ -152,6 +170,12 @@ class Seam:
     @property
     def points(self) -> int:
         """Number of activation quantization points (2 for swiglu, 1 for dense)."""
+        return 2 if self.kind == "swiglu" else 1
+
+    @property
+    def gemms(self) -> int:
+        """Number of fused GEMMs, each with an output gradient to scale (2 for
+        swiglu: gate|up and down; 1 for dense)."""
         return 2 if self.kind == "swiglu" else 1
 
     def replace(self, **changes) -> "Seam":
@@ -196,11 +220,25 @@ def _config(config, fields):
 
 
 class SeamState(NamedTuple):
-    """A seam's arrays: ``scales`` ``(points,)`` float32 and its `Ledger`
-    (any leading axes, e.g. one per layer)."""
+    """A seam's arrays (any leading axes, e.g. one per layer).
+
+    Attributes:
+      scales: ``(points,)`` float32 activation scales.
+      ledger: its `Ledger`.
+      grad_scales: ``(gemms,)`` float32 e5m2 scales of each GEMM's output
+        gradient from the amax last observed there (0: never observed).
+        Delayed gradient scaling quantizes with them; in either mode the
+        backward's observation leaves as their cotangent and `fold_state`
+        turns it into the next scales. None: no observation (a state made
+        before gradient scales existed; current scaling only).
+      grad_clipped: ``(gemms,)`` float32: steps in which a delayed-scaled
+        gradient exceeded its scale's range (its largest values saturated).
+    """
 
     scales: jax.Array
     ledger: ledger_lib.Ledger
+    grad_scales: Optional[jax.Array] = None
+    grad_clipped: Optional[jax.Array] = None
 
 
 class FrozenParams(NamedTuple):
@@ -222,7 +260,8 @@ def init_state(seam: Seam, scales: Any = None) -> SeamState:
     scales = jnp.asarray(scales, jnp.float32)
     if scales.shape != (seam.points,):
         raise ValueError(f"seam {seam.name!r} needs {seam.points} scale(s), got shape {scales.shape}")
-    return SeamState(scales, ledger_lib.init_ledger(seam.points))
+    zeros = jnp.zeros((seam.gemms,), jnp.float32)
+    return SeamState(scales, ledger_lib.init_ledger(seam.points), zeros, zeros)
 
 
 # ---------------------------------------------------------------------- shapes
@@ -325,8 +364,16 @@ def _fast(seam: Seam) -> Tuple[bool, bool]:
     return (seam.config.fast_accum_fwd, seam.config.fast_accum_bwd)
 
 
-def _first_gemm(seam, groups, x2, scales):
-    a = fp8_linear(x2, groups[0], _act_scale(seam, x2, scales[0]), _fast(seam))
+def _grad_kw(seam: Seam, grad_scales, i: int) -> dict:
+    """`fp8_linear`'s gradient-scale arguments for GEMM ``i`` (none without
+    ``grad_scales``: current scaling, nothing observed)."""
+    if grad_scales is None:
+        return {}
+    return {"grad_scale": grad_scales[i], "delayed_grad": seam.config.grad_scaling == "delayed"}
+
+
+def _first_gemm(seam, groups, x2, scales, grad_scales=None):
+    a = fp8_linear(x2, groups[0], _act_scale(seam, x2, scales[0]), _fast(seam), **_grad_kw(seam, grad_scales, 0))
     if seam.kind == "dense":
         return a
     f = a.shape[-1] // 2
@@ -336,15 +383,19 @@ def _first_gemm(seam, groups, x2, scales):
     return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x2.dtype)
 
 
-def _second_gemm(seam, groups, h, scales):
-    return fp8_linear(h, groups[1], _act_scale(seam, h, scales[1]), _fast(seam))
+def _second_gemm(seam, groups, h, scales, grad_scales=None):
+    return fp8_linear(h, groups[1], _act_scale(seam, h, scales[1]), _fast(seam), **_grad_kw(seam, grad_scales, 1))
 
 
-def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array) -> jax.Array:
+def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array,
+                grad_scales: Optional[jax.Array] = None) -> jax.Array:
     """The unguarded fp8 computation of the seam on ``x`` (any leading axes).
 
     No checks, no counting: what the gate measures and what benchmarks time
-    as "the fp8 seam" without guards. Differentiable (fp8 backward).
+    as "the fp8 seam" without guards. Differentiable (fp8 backward; with
+    ``grad_scales``, ``(gemms,)``, their cotangent is the observed gradient
+    amax and ``grad_scaling='delayed'`` quantizes with them; without,
+    current scaling whatever the config says).
 
     Returns:
       The fused output in ``x.dtype``.
@@ -353,8 +404,8 @@ def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array) -> jax
     x2 = x.reshape(-1, k)
     groups = _groups(seam, params)
     scales = jnp.asarray(scales, jnp.float32)
-    h = _first_gemm(seam, groups, x2, scales)
-    y = h if seam.kind == "dense" else _second_gemm(seam, groups, h, scales)
+    h = _first_gemm(seam, groups, x2, scales, grad_scales)
+    y = h if seam.kind == "dense" else _second_gemm(seam, groups, h, scales, grad_scales)
     return y.reshape(lead + (y.shape[-1],))
 
 
@@ -419,12 +470,16 @@ def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=Non
 
     Raises:
       TypeError: ``state`` is not a `SeamState`.
+      ValueError: delayed gradient scaling with a state without
+        ``grad_scales``.
       GuardRefused: wrong width / non-float input; a trace-time problem in
         strict mode.
     """
     cfg = seam.config
     if not isinstance(state, SeamState):
         raise TypeError(f"seam {seam.name!r}: state must be a SeamState, got {type(state).__name__}")
+    if state.grad_scales is None and cfg.grad_scaling == "delayed":
+        raise ValueError(f"seam {seam.name!r} has grad_scaling='delayed' but its state has no grad_scales")
     width = input_width(seam, params)
     no_fallback = jnp.int32(-1)
     try:
@@ -457,12 +512,12 @@ def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=Non
     x2 = x.reshape(-1, width)
     groups = _groups(seam, params)
     amax_in, sat_in = value_stats(x2, scales[0] if static else None, fmax)
-    h = _first_gemm(seam, groups, x2, scales)
+    h = _first_gemm(seam, groups, x2, scales, state.grad_scales)
     if seam.kind == "dense":
         y2, amax_h, sat_h = h, None, None
     else:
         amax_h, sat_h = value_stats(h, scales[1] if static else None, fmax)
-        y2 = _second_gemm(seam, groups, h, scales)
+        y2 = _second_gemm(seam, groups, h, scales, state.grad_scales)
     y8 = y2.reshape(lead + (y2.shape[-1],))
     amax = amax_in[None] if amax_h is None else jnp.stack([amax_in, amax_h])
     if not cfg.check_values:
@@ -514,8 +569,10 @@ def decide_once(attempt_fn, high_precision_fn):
       materialised, and with the float32 intermediates of the norms and the
       SwiGLU product crossing it, a guarded medium reconstruct step on the
       H200 ran 12.5 ms behind the unguarded one; with the VJP outside the
-      cond (which fuses them away) the gap is 3.7 ms. ``states`` get a zero
-      cotangent (counts leave through `eae_jax.fp8.ledger.count`).
+      cond (which fuses them away) the gap is 3.7 ms. ``states`` get the
+      attempt's cotangent (the gradient amax each fp8 GEMM observed, see
+      `SeamState.grad_scales`; zero after a fallback), nothing else: counts
+      leave through `eae_jax.fp8.ledger.count`.
     """
 
     def select(bad, y8, params, x):
@@ -529,17 +586,19 @@ def decide_once(attempt_fn, high_precision_fn):
         return select(bad, y8, params, x), aux
 
     def fwd(params, x, states):
-        y8, vjp8, (bad, aux) = jax.vjp(lambda p, h: attempt_fn(p, h, states), params, x, has_aux=True)
-        return (select(bad, y8, params, x), aux), (vjp8, bad, params, x, states)
+        y8, vjp8, (bad, aux) = jax.vjp(attempt_fn, params, x, states, has_aux=True)
+        return (select(bad, y8, params, x), aux), (vjp8, bad, params, x)
 
     def bwd(res, cts):
-        vjp8, bad, params, x, states = res
+        vjp8, bad, params, x = res
         # A failed attempt's VJP may be garbage (NaN); the cond discards it.
-        grads = vjp8(cts[0])
+        gp, gx, gstates = vjp8(cts[0])
         if bad is not None:
-            grads = jax.lax.cond(bad, lambda ops: jax.vjp(high_precision_fn, ops[1], ops[2])[1](ops[3]),
-                                 lambda ops: ops[0], (grads, params, x, cts[0]))
-        return (*grads, jax.tree_util.tree_map(jnp.zeros_like, states))
+            gp, gx = jax.lax.cond(bad, lambda ops: jax.vjp(high_precision_fn, ops[1], ops[2])[1](ops[3]),
+                                  lambda ops: ops[0], ((gp, gx), params, x, cts[0]))
+            # What a fallen-back attempt observed is not trusted.
+            gstates = jax.tree_util.tree_map(lambda a: jnp.where(bad, jnp.zeros_like(a), a), gstates)
+        return gp, gx, gstates
 
     run.defvjp(fwd, bwd)
     return run
@@ -596,21 +655,75 @@ def apply_with_ledger(seam: Seam, state: SeamState, params: Any, x: jax.Array, m
     return split_output(seam, params, y), inc
 
 
-def fold_state(seam: Seam, state: SeamState, inc: ledger_lib.Ledger) -> SeamState:
-    """Fold a step's ledger increments into a state (any leading axes).
+def fold_state(seam: Seam, state: SeamState, inc: Any) -> SeamState:
+    """Fold a step's observations into a state (any leading axes).
 
-    With ``'delayed'`` scaling the activation scales become
+    Args:
+      inc: the state's cotangent (a `SeamState`: ledger increments and
+        observed gradient amax) or ledger increments alone (a `Ledger`,
+        e.g. summed forward increments; gradient scales then stay).
+
+    With ``'delayed'`` activation scaling the activation scales become
     ``amax_observed * 2**margin / 448`` wherever the step observed a finite,
-    positive amax.
+    positive amax. Gradient scales (both modes) become
+    ``grad_amax_observed * 2**grad_margin / 57344`` wherever a gradient
+    amax was observed; under delayed gradient scaling a step whose observed
+    amax exceeded the range of the scale it used adds one to
+    ``grad_clipped``.
     """
+    grad_obs = None
     if isinstance(inc, SeamState):  # the whole state's cotangent was passed
+        grad_obs = inc.grad_scales
         inc = inc.ledger
     new_ledger = ledger_lib.fold(state.ledger, inc, seam.config.detach_after)
     scales = state.scales
     if seam.config.act_scaling == "delayed":
         fresh = scale_from_amax(inc.amax, E4M3, seam.config.margin)
         scales = jnp.where(inc.amax > 0, fresh, scales)
-    return SeamState(scales, new_ledger)
+    grad_scales, clipped = state.grad_scales, state.grad_clipped
+    if grad_obs is not None and grad_scales is not None:
+        seen = grad_obs > 0
+        if seam.config.grad_scaling == "delayed":
+            over = seen & (grad_scales > 0) & (grad_obs > grad_scales * fp8_max(E5M2))
+            clipped = (jnp.zeros_like(grad_scales) if clipped is None else clipped) + over.astype(jnp.float32)
+        grad_scales = jnp.where(seen, scale_from_amax(grad_obs, E5M2, seam.config.grad_margin), grad_scales)
+    return SeamState(scales, new_ledger, grad_scales, clipped)
+
+
+def state_report(state: SeamState, name: str) -> List[Dict[str, Any]]:
+    """Host-side receipt of a seam state, one entry per seam instance (layer):
+    `eae_jax.fp8.ledger.report`'s entries (calls, fp8 calls, fallbacks by
+    reason, last reason, consecutive, detached, amax) plus ``grad_scales``
+    and ``grad_clipped`` per GEMM (when the state has them)."""
+    out = ledger_lib.report(state.ledger, name)
+    if state.grad_scales is not None:
+        gs = np.asarray(state.grad_scales)
+        clipped = np.zeros_like(gs) if state.grad_clipped is None else np.asarray(state.grad_clipped)
+        lead = gs.shape[:-1]
+        for entry, index in zip(out, np.ndindex(*lead) if lead else [()]):
+            entry["grad_scales"] = [float(v) for v in gs[index]]
+            entry["grad_clipped"] = [int(v) for v in clipped[index]]
+    return out
+
+
+def require_grad_scales(seam: Seam, state: SeamState, where: str = "") -> None:
+    """Raise unless every gradient scale of ``state`` has been observed (host check,
+    concrete state): what delayed gradient scaling needs before its first step.
+
+    Raises:
+      ValueError: no ``grad_scales`` in the state, or some never observed
+        (listed by layer and GEMM).
+    """
+    if state.grad_scales is None:
+        raise ValueError(f"seam {seam.name!r}{where}: the state has no grad_scales (made before gradient scaling "
+                         "existed); init_state / bind make them")
+    gs = np.asarray(state.grad_scales)
+    missing = np.argwhere(~(gs > 0))
+    if missing.size:
+        listing = ", ".join(str(tuple(int(i) for i in m)) for m in missing[:8])
+        raise ValueError(f"seam {seam.name!r}{where}: gradient scales never observed at {listing}"
+                         f"{' ...' if len(missing) > 8 else ''} (index: layer..., GEMM); run a step with "
+                         "grad_scaling='current' and fold it first")
 
 
 # ---------------------------------------------------------------------- binding
@@ -724,8 +837,8 @@ class BoundSeam:
         return new
 
     def report(self, state: SeamState) -> List[Dict[str, Any]]:
-        """Per seam instance: calls, fp8 calls, fallbacks (by reason), last reason, detached."""
-        return ledger_lib.report(state.ledger, self.seam.name)
+        """Per seam instance: see `state_report`."""
+        return state_report(state, self.seam.name)
 
 
 def bind(

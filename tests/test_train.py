@@ -131,6 +131,20 @@ def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path):
     assert blk["fp8"]["calls"] == f8["fp8"]["calls"]
     if f8["fp8"]["fallbacks"] == 0 and blk["fp8"]["fallbacks"] == 0:
         assert blk["final_loss"] == pytest.approx(f8["final_loss"], rel=1e-3)
+    # Delayed gradient scaling: the first step observes (current scaling),
+    # then the previous step's scales are used; it trains like current
+    # scaling, and a resumed run starts delayed straight away.
+    said = []
+    dl = train(TrainConfig(dtype="fp8_e4m3", fp8_grad_scaling="delayed", out=str(tmp_path / "fp8d"),
+                           **{**base, "checkpoint_every": 6}), log_fn=said.append, until=6)
+    assert "fp8: gradient scales observed; delayed gradient scaling from step 2" in said
+    said.clear()
+    dl = train(TrainConfig(dtype="fp8_e4m3", fp8_grad_scaling="delayed", out=str(tmp_path / "fp8d"),
+                           **{**base, "checkpoint_every": 6}), log_fn=said.append)
+    assert dl["resumed_from"] and not [m for m in said if "delayed gradient scaling from" in m]
+    assert dl["fp8"]["calls"] == f8["fp8"]["calls"] and dl["fp8"]["grad_scaling"] == "delayed"
+    assert dl["fp8"]["grad_clipped"] == 0
+    assert abs(dl["final_loss"] - f8["final_loss"]) / f8["final_loss"] < 0.02
 
 
 def test_bad_config_errors():
@@ -146,6 +160,8 @@ def test_bad_config_errors():
         TrainConfig(dtype="fp8_e4m3", fp8_scaling="dynamic")
     with pytest.raises(ValueError, match="unknown fp8_fallback 'step'; valid: seam, block"):
         TrainConfig(dtype="fp8_e4m3", fp8_fallback="step")
+    with pytest.raises(ValueError, match="unknown fp8_grad_scaling 'late'; valid: current, delayed"):
+        TrainConfig(dtype="fp8_e4m3", fp8_grad_scaling="late")
     with pytest.raises(ValueError, match="unknown pass 'int4'"):
         from eae_jax.train import parse_passes
         parse_passes("int8,int4")

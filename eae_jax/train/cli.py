@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fp8_scaling": "activation scaling of the fp8 seams: delayed | static | row",
         "fp8_fallback": "where a failed fp8 check falls back to high precision: block (the whole block call, "
                         "default: one lax.cond per block) | seam (that seam call: one lax.cond per seam)",
+        "fp8_grad_scaling": "e5m2 scales of the fp8 seams' gradients: current (from each gradient's own amax) "
+                            "| delayed (from the previous step's; the first step runs current to observe them)",
         "passes": "adjoint pass chain, e.g. 'int8,clip=1.0' (see eae_jax.train.config.parse_passes)",
         "policy": "reconstruct policy: boundaries | dots | dots_all | everything",
         "data": "token file (.npy or uint16 .bin); default: a learnable synthetic task",

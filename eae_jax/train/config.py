@@ -92,6 +92,7 @@ class TrainConfig:
     devices: Optional[int] = None
     fp8_scaling: str = "delayed"
     fp8_fallback: str = "block"
+    fp8_grad_scaling: str = "current"
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -108,6 +109,8 @@ class TrainConfig:
             raise ValueError(f"unknown fp8_scaling {self.fp8_scaling!r}; valid: static, delayed, row")
         if self.fp8_fallback not in ("seam", "block"):
             raise ValueError(f"unknown fp8_fallback {self.fp8_fallback!r}; valid: seam, block")
+        if self.fp8_grad_scaling not in ("current", "delayed"):
+            raise ValueError(f"unknown fp8_grad_scaling {self.fp8_grad_scaling!r}; valid: current, delayed")
         if self.fp8:
             from eae_jax.fp8 import policy_seams
 

@@ -150,9 +150,24 @@ def build(cfg: TrainConfig):
     tx = make_optimizer(cfg)
     params = init_lm(_keys(cfg)[0], model)
     bound = bind_fp8(cfg, model, params, jax.random.fold_in(_keys(cfg)[2], 2**31 - 1)) if cfg.fp8 else None
-    stack = lm_stack(model, block_fn=None if bound is None else bound.block_fn(), passes=parse_passes(cfg.passes),
-                     boundary_dtype=cfg.boundary_dtype, policy=cfg.policy, offload=cfg.offload)
+    stack = make_stack(cfg, model, bound)
     return model, stack, tx, bound, init_state(cfg, model, stack, tx, bound, params)
+
+
+def make_stack(cfg: TrainConfig, model, bound_fp8=None):
+    """The run's reconstruct stack, with ``bound_fp8``'s block when given."""
+    return lm_stack(model, block_fn=None if bound_fp8 is None else bound_fp8.block_fn(),
+                    passes=parse_passes(cfg.passes), boundary_dtype=cfg.boundary_dtype, policy=cfg.policy,
+                    offload=cfg.offload)
+
+
+def _grad_scales_observed(bound_fp8, fp8_state) -> bool:
+    """Whether every seam and layer has observed gradient scales (host check)."""
+    try:
+        bound_fp8.require_grad_scales(jax.device_get(fp8_state))
+    except ValueError:
+        return False
+    return True
 
 
 class JsonlLog:
@@ -194,6 +209,18 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
         raise ValueError(f"micro-batch {micro_batch} does not split over {mesh.size} devices")
     state = jax.device_put(state, replicated)
     step_fn = jax.jit(make_train_step(cfg, stack, tx, model, bound_fp8), donate_argnums=(0,))
+    # Delayed gradient scaling needs scales observed by a step first: the
+    # current-scaling step runs until every seam and layer has them (one
+    # step unless it fell back), then the delayed step takes over for good
+    # (a fold never unsets an observed scale).
+    delayed_fn = None
+    if bound_fp8 is not None and cfg.fp8_grad_scaling == "delayed":
+        delayed = bound_fp8.with_grad_scaling("delayed")
+        delayed_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, delayed), tx, model, delayed),
+                             donate_argnums=(0,))
+        if _grad_scales_observed(bound_fp8, state.fp8):
+            step_fn = delayed_fn
+            delayed_fn = None
 
     log = JsonlLog(os.path.join(cfg.out, "log.jsonl"))
     first_loss = last_loss = None
@@ -206,6 +233,9 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
         tokens = jax.device_put(tokens.reshape(cfg.microbatches, micro_batch, -1), data_sharding)
         state, metrics = step_fn(state, tokens)
         done = step + 1
+        if delayed_fn is not None and _grad_scales_observed(bound_fp8, state.fp8):
+            step_fn, delayed_fn = delayed_fn, None
+            log_fn(f"fp8: gradient scales observed; delayed gradient scaling from step {done + 1}")
         if done % cfg.log_every == 0 or done == last_step or done == start_step + 1:
             metrics = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist())
                        for k, v in jax.device_get(metrics).items()}
@@ -229,6 +259,8 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
         report = bound_fp8.report(jax.device_get(state.fp8))
         summary["fp8"] = {"calls": sum(r["calls"] for r in report), "fp8_calls": sum(r["fp8_calls"] for r in report),
                           "fallbacks": sum(r["fallbacks"] for r in report),
+                          "grad_clipped": sum(sum(r.get("grad_clipped", [])) for r in report),
+                          "grad_scaling": cfg.fp8_grad_scaling,
                           "detached": [r["seam"] for r in report if r["detached"]],
                           "gate_worst_cos": min(c["worst_cos"] for c in bound_fp8.certification.values())}
     return summary

@@ -461,11 +461,13 @@ GRAPH_CONDS = {"xla_gpu_enable_command_buffer":
 
 
 def _guard_spec(spec: str) -> tuple:
-    """``'block+graphs'`` -> ``('block', GRAPH_CONDS)``; raises ValueError for an unknown guard."""
-    guard, _, extra = spec.partition("+")
-    if guard not in GUARDS or extra not in ("", "graphs"):
+    """``'block+graphs'`` -> ``('block', GRAPH_CONDS, False)``; ``'off+delayed'``
+    -> ``('off', None, True)`` (delayed gradient scaling); raises ValueError
+    for an unknown guard or suffix."""
+    guard, *extras = spec.split("+")
+    if guard not in GUARDS or any(e not in ("graphs", "delayed") for e in extras) or len(set(extras)) != len(extras):
         raise ValueError(spec)
-    return guard, (GRAPH_CONDS if extra else None)
+    return guard, (GRAPH_CONDS if "graphs" in extras else None), "delayed" in extras
 
 
 def guard_variant(bound: "fp8.BoundBlock", guard: str) -> "fp8.BoundBlock":
@@ -498,8 +500,15 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     log(f"  bind_block {bind_s:.0f} s, worst gate cos "
         + ", ".join(f"{n} {cc['worst_cos']:.6f}" for n, cc in bound.certification.items()))
     # One calibration for every guard variant: they differ only in how a
-    # failed check falls back (the scales and the gate are the same).
-    variants = {spec: guard_variant(bound, _guard_spec(spec)[0]) for spec in args.guards}
+    # failed check falls back (the scales and the gate are the same), and
+    # in how output gradients are scaled. Delayed variants start from the
+    # gradient scales a current variant observed, so those run first.
+    specs = sorted(args.guards, key=lambda g: _guard_spec(g)[2])
+    if any(_guard_spec(g)[2] for g in specs) and all(_guard_spec(g)[2] for g in specs):
+        raise ValueError("a '+delayed' variant needs a current-scaling variant in --guards to observe "
+                         "the gradient scales it starts from")
+    variants = {spec: guard_variant(bound, _guard_spec(spec)[0]).with_grad_scaling(
+        "delayed" if _guard_spec(spec)[2] else "current") for spec in specs}
 
     stack = eae_jax.reconstruct(decoder_block(cfg))
 
@@ -536,11 +545,18 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
            "gate_bare_cos": {n: min(cc["bare_cos_per_layer"]) for n, cc in bound.certification.items()},
            "all_fp8_block_cos_min": min(bound.certification["ffn"]["all_fp8_block_cos_per_layer"]),
            "scaling": args.scaling, "variants": {}}
+    observed = None
     for g, b in variants.items():
-        f8 = timed(None, (copies[g], b.state, x, ct), args.warmup, args.iters,
+        state0 = b.state
+        if _guard_spec(g)[2]:
+            state0 = {n: s._replace(grad_scales=observed[n].grad_scales) for n, s in b.state.items()}
+            b.require_grad_scales(state0)
+        f8 = timed(None, (copies[g], state0, x, ct), args.warmup, args.iters,
                    feed=lambda a, out: (out[0], out[1]) + tuple(a[2:]), donate=(0,), built=built[g])
         log(f"  fp8 step, guard {g}: {f8['median_ms']:.1f} ms")
         state = f8["out"][1]
+        if not _guard_spec(g)[2]:
+            observed = state
         report = b.report(state)
         steps = f8["calls"]
         del f8["args"]
@@ -552,6 +568,7 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
             "fallbacks": sum(e["fallbacks"] for e in report),
             "calls_exact": all(e["calls"] == steps for e in report),
             "fp8_fraction": sum(e["fp8_calls"] for e in report) / max(1, sum(e["calls"] for e in report)),
+            "grad_clipped": sum(sum(e.get("grad_clipped", [])) for e in report),
         }
         args.progress("e2e", done + [row])  # a later timeout keeps what was measured
     return row
@@ -698,7 +715,9 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--guards", default="seam,block,off",
                     help="e2e: comma list of guard variants timed against one bf16 step: 'seam' (a lax.cond "
                          "per seam call), 'block' (a lax.cond per block call), 'off' (no in-graph checks); "
-                         "'<guard>+graphs' compiles it with conditionals and loops inside CUDA graphs")
+                         "'<guard>+graphs' compiles it with conditionals and loops inside CUDA graphs; "
+                         "'<guard>+delayed' scales output gradients from the amax observed in the previous "
+                         "step (delayed scaling; needs a current-scaling variant in the list)")
     ap.add_argument("--train-scaling", default="delayed", choices=fp8.seams.SCALINGS,
                     help="activation scaling for the training run (delayed follows drifting activations)")
     ap.add_argument("--train-steps", type=int, default=300)
@@ -721,7 +740,7 @@ def main(argv=None) -> Dict[str, Any]:
             unknown.append(g)
     if unknown or not args.guards:
         ap.error(f"--guards: unknown {unknown}; expected a comma list of {GUARDS}, each optionally "
-                 "with '+graphs' (conditionals inside CUDA graphs)")
+                 "with '+graphs' (conditionals inside CUDA graphs) and/or '+delayed' (delayed gradient scaling)")
     if args.warmup is None:
         args.warmup = 1 if args.smoke else 3
     if args.iters is None:

@@ -58,11 +58,21 @@ class _SlotStore(NamedTuple):
     bufs: tuple
 
 
+class _HostBoundaries(NamedTuple):
+    """An offloaded scanned segment's boundaries as separate host arrays (the
+    ``'unrolled'`` offload schedule), one per block."""
+
+    arrays: tuple
+
+
 class _Segment(NamedTuple):
     fn: Callable
     name: str
     scanned: bool
 
+
+#: How an offloaded scanned run is scheduled (see `reconstruct`'s ``offload``).
+OFFLOAD_SCHEDULES = ("scan", "unrolled")
 
 _NAMED_POLICIES = {
     "boundaries": None,
@@ -132,7 +142,8 @@ class Reconstructed:
         self.segments = segments
         self.passes = passes
         self.boundary_dtype = None if boundary_dtype is None else jnp.dtype(boundary_dtype)
-        self.offload = offload
+        self.offload = bool(offload)
+        self.offload_schedule = offload if isinstance(offload, str) else ("scan" if offload else None)
         self.policy = policy
         self.collect_stats = stats
         self._single = single  # the user gave one block fn: params is the stacked tree itself
@@ -304,7 +315,7 @@ class Reconstructed:
         VJP, so nothing in that iteration waits on it and XLA can overlap the
         transfer with compute (costing one extra boundary of device memory).
         """
-        return bool(self.offload) and self.policy is None and seg.scanned and n >= 2
+        return self.offload and self.policy is None and seg.scanned and n >= 2 and not self._unrolls(seg)
 
     def _block_forward(self, seg, p, h, side, layouts):
         """Run one block forward; return (output, residuals for its backward)."""
@@ -323,6 +334,64 @@ class Reconstructed:
         kept = [l for l, pos in zip(leaves, layout) if pos < 0]
         layouts[seg.name] = (treedef, layout)
         return y, kept
+
+    def _unrolls(self, seg: _Segment) -> bool:
+        """Whether an offloaded scanned segment runs block by block (the
+        ``'unrolled'`` schedule) instead of as a scan."""
+        return self.offload_schedule == "unrolled" and self.policy is None and seg.scanned
+
+    def _unrolled_forward(self, seg, p, h, side, n):
+        """Forward over a segment block by block, each boundary its own host array.
+
+        Each copy to the host is an independent transfer that XLA can run on
+        a copy stream beside block i; the optimization barrier makes block
+        i+1's input wait for that copy, so at most one boundary is in flight
+        and device memory never holds more than two of them.
+        """
+        stored = []
+        for i in range(n):
+            p_i = jax.tree_util.tree_map(lambda a, i=i: a[i], p)
+            s_i = self._store(h)
+            h, s_i = jax.lax.optimization_barrier((self._call_block(seg, p_i, h, side), s_i))
+            stored.append(s_i)
+        return h, _HostBoundaries(tuple(stored))
+
+    def _unrolled_backward(self, seg, p, res, g, states, off, spec, side, step, num):
+        """Backward of an unrolled offloaded segment: block i recomputes and
+        takes its VJP while boundary i-1 comes back from the host.
+
+        The copy of boundary i-1 is started only once block i's adjoint
+        exists (barrier on its operand) and must be done when block i's
+        input adjoint is (barrier on the result), so exactly one copy is in
+        flight. Returns like the reverse ``lax.scan`` of `_backward`.
+        """
+        n = len(res.arrays)
+        float_in = _is_float(spec)
+        cur = offload_lib.to_device(res.arrays[n - 1])
+        # Gradients go straight into their stacked buffers (in place), so a
+        # block's gradients die as soon as they are written.
+        grads = None
+        sts, nins, nouts = [None] * n, [None] * n, [None] * n
+        for i in reversed(range(n)):
+            nxt = None
+            if i > 0:
+                src, g = jax.lax.optimization_barrier((res.arrays[i - 1], g))
+                nxt = offload_lib.to_device(src)
+            p_i = jax.tree_util.tree_map(lambda a, i=i: a[i], p)
+            st_i = jax.tree_util.tree_map(lambda a, i=i: a[i], states)
+            gp, gh = self._vjp_at(seg, p_i, cur.astype(spec.dtype), g, float_in, side)
+            if grads is None:
+                grads = jax.tree_util.tree_map(lambda l: jnp.zeros((n,) + l.shape, l.dtype), gp)
+            grads = jax.tree_util.tree_map(lambda buf, l, i=i: buf.at[i].set(l), grads, gp)
+            if nxt is not None:
+                # All of block i's backward (its weight gradients included,
+                # which nothing downstream waits for) completes before block
+                # i-1 may start: one block's internals live at a time.
+                gh, grads, nxt = jax.lax.optimization_barrier((gh, grads, nxt))
+            g, sts[i], nins[i], nouts[i] = self._scan_boundary(gh, g, st_i, jnp.int32(off + i), step, num)
+            cur = nxt
+
+        return g, (grads, jax.tree_util.tree_map(lambda *ls: jnp.stack(ls), *sts), jnp.stack(nins), jnp.stack(nouts))
 
     def _slot_plan(self, seg: _Segment, p, h) -> Optional[grad_slots.SlotPlan]:
         """The gradient-slot layout for a scanned segment's boundaries, or None
@@ -354,6 +423,8 @@ class Reconstructed:
             if plan is not None:
                 layouts[("slots", seg.name)] = plan
                 h, res = self._slot_forward(seg, p, h, side, plan, self._depth(seg, p))
+            elif seg.scanned and self._unrolls(seg):
+                h, res = self._unrolled_forward(seg, p, h, side, self._depth(seg, p))
             elif seg.scanned:
                 def body(hh, pp, seg=seg):
                     return self._block_forward(seg, pp, hh, side, layouts)
@@ -430,7 +501,10 @@ class Reconstructed:
                     return gh, (gp, st_i, nin, nout)
 
                 idx = off + jnp.arange(n, dtype=jnp.int32)
-                if isinstance(res, _SlotStore):
+                if isinstance(res, _HostBoundaries):
+                    g_new, (gp, st, nin, nout) = self._unrolled_backward(seg, p, res, g, seg_states[s], off, spec,
+                                                                          side, step, num)
+                elif isinstance(res, _SlotStore):
                     g_new, (gp, st, nin, nout) = self._slot_scan(seg, p, res, g, seg_states[s], idx, spec, side,
                                                                   step, num, layouts[("slots", seg.name)])
                 elif self._prefetches(seg, n):
@@ -564,7 +638,7 @@ def reconstruct(
     *,
     passes: Any = None,
     boundary_dtype: Any = None,
-    offload: bool = False,
+    offload: Any = False,
     policy: Any = None,
     stats: bool = True,
     boundaries_in_grads: bool = True,
@@ -587,7 +661,11 @@ def reconstruct(
       offload: keep the stored boundaries in pinned host memory (boundary-only
         storage, ``policy=None``; a policy's kept internals stay on device).
         The backward of a scanned run copies boundary i-1 back while block i
-        runs, so about two boundaries are on device at a time.
+        runs, so about two boundaries are on device at a time. True or
+        ``'scan'``: scanned runs stay scans, their boundaries one stacked
+        host array; ``'unrolled'``: scanned runs are unrolled block by block
+        so that each boundary is its own host array and each copy an
+        independent transfer (compile time grows with depth).
       policy: None/``'boundaries'`` (keep only boundaries), ``'dots'``,
         ``'dots_all'``, ``'everything'``, or a `jax.checkpoint_policies`
         callable: which block internals the forward also keeps so the
@@ -632,6 +710,8 @@ def reconstruct(
         chain_ = chain(*passes)
     else:
         chain_ = as_pass(passes)
+    if not isinstance(offload, (bool, str)) or (isinstance(offload, str) and offload not in OFFLOAD_SCHEDULES):
+        raise ValueError(f"offload must be a bool or one of {OFFLOAD_SCHEDULES}, got {offload!r}")
     if boundary_dtype is not None:
         from eae_jax.dtypes import parse_compute_dtype
 

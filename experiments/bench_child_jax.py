@@ -50,7 +50,7 @@ def _wait_for_go(spec) -> None:
 # Which variants leave their gradients for others, and who compares with whom
 # (besides J-plain, the reference for every variant).
 WRITES_REFERENCE = ("J-plain", "eae")
-COMPARES_WITH = {"eae-offload": ("eae",), "eae-offload-sync": ("eae",), "eae-passes": ("eae",), "eae-dots": ("eae",)}
+COMPARES_WITH = {"eae-offload": ("eae",), "eae-offload-unrolled": ("eae",), "eae-offload-sync": ("eae",), "eae-passes": ("eae",), "eae-dots": ("eae",)}
 
 
 def _compare(jax, jnp, ref, gflat):
@@ -153,7 +153,7 @@ def main(spec_path: str) -> None:
 
             passes = chain(int8_fake_quant(), clip_by_norm(1.0))
         stack = eae_jax.reconstruct(block, passes=passes, boundary_dtype=variant.get("boundary_dtype"),
-                                    offload=bool(variant.get("offload")), policy=variant.get("policy"),
+                                    offload=variant.get("offload", False), policy=variant.get("policy"),
                                     boundaries_in_grads=variant.get("boundaries_in_grads", True))
         if variant.get("no_prefetch"):
             # Bench-only diagnostic: shadow the private switch so the reverse

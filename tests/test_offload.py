@@ -77,9 +77,10 @@ def test_offload_gradients_equal_on_device_store(depth, boundary_dtype):
     assert float(outs[True][4]["calls"]) == 1.0
 
 
-def test_offload_decoder_stack_matches_plain_autodiff_in_float32():
+@pytest.mark.parametrize("offload", [True, "unrolled"])
+def test_offload_decoder_stack_matches_plain_autodiff_in_float32(offload):
     params, x, y = _inputs(4, seed=11, decoder=True)
-    stack = eae_jax.reconstruct(DECODER, offload=True)
+    stack = eae_jax.reconstruct(DECODER, offload=offload)
     val, gp, gx, _, stats = _step(stack)(params, stack.init(params, x), x, y)
 
     def ref(p, x):
@@ -98,12 +99,42 @@ def test_offload_in_multi_segment_stack():
     params, x, y = _inputs(3, seed=5)
     head = jax.tree_util.tree_map(lambda a: a[0] * 0.5, params)
     res = {}
-    for off in (False, True):
+    for off in (False, True, "unrolled"):
         stack = eae_jax.reconstruct([eae_jax.Scan(BLOCK, "body"), BLOCK], offload=off)
         val, gp, gx, _, _ = _step(stack)([params, head], stack.init([params, head], x), x, y)
         res[off] = (val, gp, gx)
-    for a, b in zip(jax.tree_util.tree_leaves(res[False]), jax.tree_util.tree_leaves(res[True])):
-        np.testing.assert_array_equal(a, b)
+    for off in (True, "unrolled"):
+        for a, b in zip(jax.tree_util.tree_leaves(res[False]), jax.tree_util.tree_leaves(res[off])):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_unrolled_offload_matches_on_device_store_with_passes_and_state(depth):
+    """The unrolled schedule computes what the scanned one does: gradients,
+    pass state and per-boundary stats agree (to float32 rounding: the
+    unrolled program fuses differently), and each boundary is its own host
+    array."""
+    params, x, y = _inputs(depth, seed=20 + depth)
+    outs = {}
+    for off in (False, "unrolled"):
+        stack = eae_jax.reconstruct(BLOCK, offload=off, passes=chain(int8_fake_quant(), clip_by_norm(0.05)))
+        carry = stack.init(params, x, jax.random.key(3))
+        val, gp, gx, c2, stats = _step(stack)(params, carry, x, y)
+        outs[off] = (val, gp, gx, stack.state(c2), stats)
+    for a, b in zip(jax.tree_util.tree_leaves(outs[False]), jax.tree_util.tree_leaves(outs["unrolled"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
+    assert float(outs["unrolled"][4]["calls"]) == 1.0
+    stack = eae_jax.reconstruct(BLOCK, offload="unrolled")
+    text = str(jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(stack(p, x) ** 2)))(params, x))
+    per_block = f"f32<host>[{','.join(map(str, X_SHAPE))}]"
+    assert text.count(per_block) >= depth, "each boundary should be its own host array"
+    assert f"f32<host>[{depth}," not in text, "no stacked host array in the unrolled schedule"
+    assert " scan[" not in text and "while[" not in text
+
+
+def test_offload_rejects_unknown_schedule():
+    with pytest.raises(ValueError, match="offload must be a bool or one of"):
+        eae_jax.reconstruct(BLOCK, offload="async")
 
 
 def _host_avals(jaxpr_text):

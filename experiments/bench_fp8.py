@@ -321,16 +321,26 @@ def ffn_section(args) -> List[Dict[str, Any]]:
         rows[-1]["fb_tflops"] = 3 * flops / bf_fb["median_ms"] / 1e9
 
         # --- ours
-        for mode, guarded, fast_bwd in (("static", True, False), ("static", False, False), ("row", True, False),
-                                        ("static", True, True)):
-            seam = fp8.ffn_seam(act_scaling=mode, check_values=guarded, fast_accum_bwd=fast_bwd)
-            name = f"eae fp8 {mode}" + ("" if guarded else " unguarded") + (" fast-accum bwd" if fast_bwd else "")
+        for mode, guarded, fast_bwd, delayed in (("static", True, False, False), ("static", False, False, False),
+                                                 ("static", True, False, True), ("static", False, False, True),
+                                                 ("row", True, False, False), ("static", True, True, False)):
+            seam = fp8.ffn_seam(act_scaling=mode, check_values=guarded, fast_accum_bwd=fast_bwd,
+                                grad_scaling="delayed" if delayed else "current")
+            name = (f"eae fp8 {mode}" + ("" if guarded else " unguarded") + (" fast-accum bwd" if fast_bwd else "")
+                    + (" delayed grads" if delayed else ""))
             try:
                 bound = fp8.bind(seam, pb, [c[1] for c in cal], residuals=[c[0] for c in cal])
             except fp8.GateRefused as err:
                 rows.append({**base, "variant": name, "error": f"GateRefused: {err}"})
                 continue
             st = bound.state
+            if delayed:
+                # Gradient scales observed by one current-scaling backward, as
+                # a training loop's first step would.
+                current = seam.replace(grad_scaling="current")
+                observed = jax.jit(fb_of(lambda s, p, x: fp8.apply(current, s, p, x), (0, 1, 2)))(st, pb, h, ct)[1][0]
+                st = fp8.fold_state(seam, st, observed)
+                fp8.require_grad_scales(seam, st)
             fwd = timed(lambda s, p, x: fp8.apply_with_ledger(seam, s, p, x), (st, pb, h), args.warmup, args.iters)
             y, inc = fwd["out"]
             fb = timed(fb_of(lambda s, p, x: fp8.apply(seam, s, p, x), (0, 1, 2)), (st, pb, h, ct),
@@ -340,7 +350,7 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                 "fp8_calls_fwd": float(inc.fp8_calls), "fp8_calls_fb": float(g_state.ledger.fp8_calls),
                 "gate_worst_cos": bound.certification.worst_cos,
                 "gate_bare_cos": min(bound.certification.bare_cosines)})
-            if mode == "static" and guarded and not fast_bwd:
+            if mode == "static" and guarded and not fast_bwd and not delayed:
                 frozen = bound.freeze(pb)
                 fz = timed(lambda s, p, x: fp8.apply_with_ledger(seam, s, p, x), (st, frozen, h),
                            args.warmup, args.iters)

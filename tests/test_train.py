@@ -188,3 +188,18 @@ def test_data_parallel_over_8_cpu_devices_matches_one_device(tmp_path):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["n"] == 8
     np.testing.assert_allclose(res["8"], res["1"], rtol=1e-4)
+
+
+def test_delayed_grad_scaling_gives_up_when_scales_stay_unobserved(tmp_path, monkeypatch):
+    """A seam that keeps falling back never observes its gradients: the run
+    stays with current scaling after a few steps and says so."""
+    from eae_jax.train import loop
+
+    monkeypatch.setattr(loop, "_grad_scales_observed", lambda bound, state: False)
+    monkeypatch.setattr(loop, "DELAYED_SWITCH_STEPS", 1)
+    said = []
+    summary = train(TrainConfig(preset="tiny", steps=2, log_every=10, checkpoint_every=100, dtype="fp8_e4m3",
+                                fp8_grad_scaling="delayed", out=str(tmp_path)), log_fn=said.append)
+    assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
+    assert [m for m in said if "staying with current gradient scaling" in m and "after 1 steps" in m]
+    assert not [m for m in said if "delayed gradient scaling from" in m]

@@ -11,7 +11,8 @@ Everything a seam multiplies goes through `fp8_linear`:
   one elementwise multiply that XLA fuses into the consumer, not a second
   GEMM.
 * backward: the output gradient is quantized to ``float8_e5m2`` with a
-  per-tensor scale computed from its current amax ("current scaling") and
+  per-tensor scale computed from its current amax ("current scaling"; or,
+  given a scale from an earlier step, with that: "delayed scaling") and
   multiplied with e4m3 operands: ``dx = g @ w`` against the weight
   requantized per *input* channel (that scale factors out of dgrad's
   contraction over the outputs) and ``dw = g^T @ x`` against the saved fp8
@@ -385,6 +386,7 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
     x_scale = jnp.asarray(x_scale, jnp.float32)
     if x_scale.shape not in ((), (x.shape[0], 1)):
         raise ValueError(f"x_scale must be a scalar or ({x.shape[0]}, 1), got shape {x_scale.shape}")
+    # Static flags of the custom VJPs: forward / backward fast accumulation, delayed gradient scaling.
     fast = (bool(fast_accum[0]), bool(fast_accum[1]), bool(delayed_grad))
     if grad_scale is None:
         if delayed_grad:

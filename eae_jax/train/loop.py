@@ -161,6 +161,11 @@ def make_stack(cfg: TrainConfig, model, bound_fp8=None):
                     offload=cfg.offload)
 
 
+#: Steps a delayed-gradient-scaling run waits for every seam to observe its
+#: gradient scales before it gives up and stays with current scaling.
+DELAYED_SWITCH_STEPS = 8
+
+
 def _grad_scales_observed(bound_fp8, fp8_state) -> bool:
     """Whether every seam and layer has observed gradient scales (host check)."""
     try:
@@ -233,9 +238,16 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
         tokens = jax.device_put(tokens.reshape(cfg.microbatches, micro_batch, -1), data_sharding)
         state, metrics = step_fn(state, tokens)
         done = step + 1
-        if delayed_fn is not None and _grad_scales_observed(bound_fp8, state.fp8):
-            step_fn, delayed_fn = delayed_fn, None
-            log_fn(f"fp8: gradient scales observed; delayed gradient scaling from step {done + 1}")
+        if delayed_fn is not None:
+            # A host check (one sync) per step, for a few steps only: a seam
+            # that keeps falling back never observes its gradients.
+            if _grad_scales_observed(bound_fp8, state.fp8):
+                step_fn, delayed_fn = delayed_fn, None
+                log_fn(f"fp8: gradient scales observed; delayed gradient scaling from step {done + 1}")
+            elif done - start_step >= DELAYED_SWITCH_STEPS:
+                delayed_fn = None
+                log_fn(f"fp8: gradient scales still unobserved after {DELAYED_SWITCH_STEPS} steps (seams falling "
+                       "back); staying with current gradient scaling")
         if done % cfg.log_every == 0 or done == last_step or done == start_step + 1:
             metrics = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist())
                        for k, v in jax.device_get(metrics).items()}

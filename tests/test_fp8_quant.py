@@ -209,6 +209,47 @@ def test_delayed_grad_scale_is_used_and_saturates_beyond_its_range():
         fp8.fp8_linear(x, w, xs, grad_scale=jnp.ones((2,)), delayed_grad=True)
 
 
+@pytest.mark.parametrize("delayed", [False, True])
+def test_delayed_gradient_quantization_does_not_wait_for_the_gradient_amax(delayed):
+    """What delayed scaling buys: the e5m2 quantization of the gradient does
+    not depend on a reduction over that gradient (XLA can then quantize in
+    the gradient's producer and observe the amax in the same pass); under
+    current scaling it does."""
+    x, w, g = _rand(0, (16, 32)), _rand(1, (8, 32), 0.1), _rand(2, (16, 8))
+
+    def bwd(x_, w_, g_):
+        f = lambda a, b: fp8.fp8_linear(a, b, jnp.float32(0.01), grad_scale=jnp.float32(1e-4), delayed_grad=delayed)
+        return jax.vjp(f, x_, w_)[1](g_)
+
+    jaxpr = jax.make_jaxpr(bwd)(x, w, g).jaxpr
+    g_var = jaxpr.invars[2]
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+    def ancestors(var, seen):
+        eqn = producer.get(var)
+        if eqn is None or id(eqn) in seen:
+            return
+        seen[id(eqn)] = eqn
+        for v in eqn.invars:
+            if hasattr(v, "aval") and not hasattr(v, "val"):
+                ancestors(v, seen)
+
+    def depends_on_g(var):
+        if var is g_var:
+            return True
+        seen = {}
+        ancestors(var, seen)
+        return any(v is g_var for e in seen.values() for v in e.invars)
+
+    e5m2 = [v for e in jaxpr.eqns for v in e.outvars if v.aval.dtype == jnp.float8_e5m2]
+    assert e5m2, "no e5m2 gradient in the backward"
+    for v in e5m2:
+        seen = {}
+        ancestors(v, seen)
+        waits = [e for e in seen.values() if e.primitive.name == "reduce_max" and depends_on_g(e.invars[0])]
+        assert bool(waits) == (not delayed), [e.primitive.name for e in seen.values()]
+
+
 @pytest.mark.parametrize("fast_accum,n_highest", [((True, True), 0), ((True, False), 2), ((False, False), 3)])
 def test_fast_accum_flags_set_the_dot_precision(fast_accum, n_highest):
     """The flags reach the lowered dots: fast -> default precision, else HIGHEST

@@ -461,7 +461,7 @@ def e2e_section(args) -> List[Dict[str, Any]]:
     return rows
 
 
-GUARDS = ("seam", "block", "off")
+GUARDS = ("seam", "block", "step", "off")
 #: ``<guard>+graphs``: the same step compiled with conditionals and while
 #: loops inside CUDA graphs (XLA's command buffers; the default set is the
 #: first six), where a conditional is a graph node decided on the device
@@ -481,9 +481,9 @@ def _guard_spec(spec: str) -> tuple:
 
 
 def guard_variant(bound: "fp8.BoundBlock", guard: str) -> "fp8.BoundBlock":
-    """The bound block with guard ``'seam'`` / ``'block'`` (where a failed
-    check falls back) or ``'off'`` (no value checks: every call runs fp8).
-    Same calibration and gate for all three. Raises ValueError otherwise."""
+    """The bound block with guard ``'seam'`` / ``'block'`` / ``'step'`` (where
+    a failed check falls back) or ``'off'`` (no value checks: every call runs
+    fp8). Same calibration and gate for all. Raises ValueError otherwise."""
     if guard == "off":
         return dataclasses.replace(bound, seams={n: sm.replace(check_values=False) for n, sm in bound.seams.items()})
     if guard not in GUARDS:
@@ -534,6 +534,11 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
                 return jnp.mean(stack8({"params": params, "fp8": state}, x).astype(jnp.float32) * ct)
 
             loss, (gp, gs) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, state)
+            if b.fallback == "step":
+                # The step decides once: a failed check drops the update (the
+                # training command then reruns the step in high precision).
+                new_state, bad = b.fold_step(state, gs)
+                return jax.lax.cond(bad, lambda ops: ops[0], lambda ops: _sgd(*ops), (params, gp)), new_state, loss
             return _sgd(params, gp), b.fold(state, gs), loss
 
         return step_fp8
@@ -724,7 +729,8 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--scaling", default="static", choices=fp8.seams.SCALINGS, help="e2e activation scaling")
     ap.add_argument("--guards", default="seam,block,off",
                     help="e2e: comma list of guard variants timed against one bf16 step: 'seam' (a lax.cond "
-                         "per seam call), 'block' (a lax.cond per block call), 'off' (no in-graph checks); "
+                         "per seam call), 'block' (a lax.cond per block call), 'step' (checks, no cond in the "
+                         "blocks: the step decides, a failed one is dropped), 'off' (no in-graph checks); "
                          "'<guard>+graphs' compiles it with conditionals and loops inside CUDA graphs; "
                          "'<guard>+delayed' scales output gradients from the amax observed in the previous "
                          "step (delayed scaling; needs a current-scaling variant in the list)")

@@ -232,6 +232,8 @@ def step_variants(c: Dict[str, int], guards: List[str]) -> List[tuple]:
             loss, (gp, gs) = jax.value_and_grad(
                 lambda q, t: jnp.mean(stack8({"params": q, "fp8": t}, x_).astype(jnp.float32) * ct_),
                 argnums=(0, 1))(p, s)
+            if b.fallback == "step":
+                return loss, gp, b.fold_step(s, gs, notify=False)[0]
             return loss, gp, b.fold(s, gs, notify=False)
 
         out.append((f"step-fp8-{g}", step, (params, b.state, x, ct)))
@@ -255,9 +257,9 @@ def main(argv=None) -> Dict[str, Any]:
     only = set(filter(None, args.only.split(",")))
     if args.step:
         guards = [g for g in args.guards.split(",") if g]
-        bad = [g for g in guards if g not in ("seam", "block", "off")]
+        bad = [g for g in guards if g not in ("seam", "block", "step", "off")]
         if bad:
-            ap.error(f"--guards: unknown {bad}; expected a comma list of seam, block, off")
+            ap.error(f"--guards: unknown {bad}; expected a comma list of seam, block, step, off")
         results = {"step": args.step, "config": STEP_CONFIGS[args.step], "backend": jax.default_backend(),
                    "jax": jax.__version__, "runs": []}
         path = os.path.join(out_dir, f"profile_fp8_step_{args.step}.json")

@@ -224,6 +224,35 @@ def test_block_fallback_takes_two_conditionals_per_layer(setup):
     # unless its output feeds the rest of the block: per seam, qkv's and o's
     # do (3 forward + 2 recomputed + 3 backward).
     assert per_block == 2 and per_seam == 8
+    assert _count_conditionals(step_of(bound.with_fallback("step")), p) == 0
+
+
+def test_step_fallback_decides_once_per_step_from_the_counts(setup):
+    """fallback='step': every call runs fp8 (no cond) and counts its own
+    outcome; fold_step flags the step when any call failed and then counts
+    every other call of the step with reason 'step'."""
+    cfg, params, x, bound = setup
+    bound = bound.with_fallback("step")
+    ct = jax.random.normal(jax.random.key(7), x.shape)
+    stack8 = eae_jax.reconstruct(bound.block_fn())
+
+    def run(state):
+        g = jax.jit(jax.grad(lambda p: jnp.mean(stack8(p, x).astype(jnp.float32) * ct)))(bound.params(params, state))
+        return bound.fold_step(state, g["fp8"], notify=False)
+
+    clean, bad = run(bound.state)
+    assert not bool(bad)
+    assert all(e["fp8_calls"] == 1 and e["fallbacks"] == 0 for e in bound.report(clean))
+    layer = 1
+    new, bad = run(_saturating_ffn(bound, layer))
+    assert bool(bad)
+    rep = {e["seam"]: e for e in bound.report(new)}
+    assert rep[f"ffn[{layer}]"]["by_reason"] == {"saturation": 1} and rep[f"ffn[{layer}]"]["consecutive"] == 1
+    others = [e for name, e in rep.items() if name != f"ffn[{layer}]"]
+    assert len(others) == 3 * DEPTH - 1
+    assert all(e["by_reason"] == {"step": 1} and e["fp8_calls"] == 0 and e["consecutive"] == 0 for e in others)
+    # A dropped step's gradient observations are not kept.
+    assert all(min(e["grad_scales"]) == 0 for e in rep.values())
 
 
 def _cond_operands(jaxpr):
@@ -272,8 +301,8 @@ def test_unknown_fallback_granularity_is_named(setup):
     cfg, params, x, bound = setup
     with pytest.raises(ValueError, match="unknown fallback granularity 'layer'"):
         bound.with_fallback("layer")
-    with pytest.raises(ValueError, match="expected one of \\('seam', 'block'\\)"):
-        fp8.fp8_block(cfg, bound.seams, fallback="step")
+    with pytest.raises(ValueError, match="expected one of \\('seam', 'block', 'step'\\)"):
+        fp8.fp8_block(cfg, bound.seams, fallback="layer")
 
 
 def test_block_fallback_vjp_is_autodiff_on_both_branches(setup):

@@ -158,8 +158,8 @@ def test_bad_config_errors():
         TrainConfig(dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="unknown fp8_scaling 'dynamic'"):
         TrainConfig(dtype="fp8_e4m3", fp8_scaling="dynamic")
-    with pytest.raises(ValueError, match="unknown fp8_fallback 'step'; valid: seam, block"):
-        TrainConfig(dtype="fp8_e4m3", fp8_fallback="step")
+    with pytest.raises(ValueError, match="unknown fp8_fallback 'layer'; valid: seam, block, step"):
+        TrainConfig(dtype="fp8_e4m3", fp8_fallback="layer")
     with pytest.raises(ValueError, match="unknown fp8_grad_scaling 'late'; valid: current, delayed"):
         TrainConfig(dtype="fp8_e4m3", fp8_grad_scaling="late")
     with pytest.raises(ValueError, match="unknown pass 'int4'"):
@@ -203,3 +203,27 @@ def test_delayed_grad_scaling_gives_up_when_scales_stay_unobserved(tmp_path, mon
     assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
     assert [m for m in said if "staying with current gradient scaling" in m and "after 1 steps" in m]
     assert not [m for m in said if "delayed gradient scaling from" in m]
+
+
+@pytest.mark.filterwarnings("ignore::eae_jax.fp8.Fp8FallbackWarning")  # the forced fallbacks are said once per seam
+def test_step_fallback_trains_like_block_and_reruns_failed_steps_in_high_precision(tmp_path, monkeypatch):
+    """fp8_fallback='step': no cond in the blocks; with nothing failing it
+    trains exactly like the block fallback, and a step whose checks fail is
+    dropped and rerun without fp8 (forced here on every step: the run then
+    equals the bf16 run, and every seam call is counted as a fallback)."""
+    base = dict(preset="tiny", steps=4, log_every=10, checkpoint_every=100, warmup=2)
+    blk = train(TrainConfig(dtype="fp8_e4m3", out=str(tmp_path / "blk"), **base), log_fn=quiet)
+    stp = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="step", out=str(tmp_path / "stp"), **base), log_fn=quiet)
+    assert stp["fp8"]["calls"] == blk["fp8"]["calls"] and stp["fp8"]["fallbacks"] == 0
+    assert stp["final_loss"] == pytest.approx(blk["final_loss"], rel=1e-5)
+
+    from eae_jax.fp8 import ledger as ledger_lib
+
+    monkeypatch.setattr(ledger_lib, "own_fallbacks", lambda inc: jnp.ones_like(inc.calls))
+    said = []
+    forced = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="step", out=str(tmp_path / "forced"), **base),
+                   log_fn=said.append)
+    bf16 = train(TrainConfig(dtype="bf16", out=str(tmp_path / "bf16"), **base), log_fn=quiet)
+    assert len([m for m in said if "rerun in high precision" in m]) == 4
+    assert forced["steps"] == 4 and forced["final_loss"] == pytest.approx(bf16["final_loss"], rel=1e-6)
+    assert forced["fp8"]["fallbacks"] == forced["fp8"]["calls"] == blk["fp8"]["calls"]

@@ -132,7 +132,7 @@ def _check_p(p, seams):
         raise ValueError(f"fp8 block: no state for seam(s) {missing} (have {sorted(p['fp8'])})")
 
 
-FALLBACKS = ("seam", "block")
+FALLBACKS = ("seam", "block", "step")
 
 
 def _check_fallback(fallback: str) -> str:
@@ -162,18 +162,20 @@ def _run(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, monitor, f
         y = _inner_block(cfg, runner)(params, x)
         return y, dict(incs)
 
-    if not any(seams_lib.can_fall_back(sm) for sm in seams.values()):
-        y, (_, incs) = _block_attempt(cfg, seams, states, params, x, monitor)
+    if fallback == "step" or not any(seams_lib.can_fall_back(sm) for sm in seams.values()):
+        # 'step': no decision here; the train step decides from the counts
+        # (BoundBlock.fold_step) and reruns itself in high precision.
+        y, (_, incs) = _block_attempt(cfg, seams, states, params, x, monitor, own_codes=fallback == "step")
         return y, incs
     # One decision per block call, kept for the backward (seams_lib.decide_once).
     return seams_lib.decide_once(lambda p, h, st: _block_attempt(cfg, seams, st, p, h, monitor),
                                  _inner_block(cfg, _hp))(params, x, states)
 
 
-def _block_attempt(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, monitor):
+def _block_attempt(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, monitor, own_codes: bool = False):
     """Every seam attempts fp8: ``(y8, (bad, increments))``; ``bad`` says
     whether any seam's check failed (the increments then count the others
-    with reason ``'block'``)."""
+    with reason ``'block'``, unless ``own_codes``: each seam's own outcome)."""
     attempts = {}
 
     def runner(name, sub, h):
@@ -189,7 +191,7 @@ def _block_attempt(cfg: BlockConfig, seams: Dict[str, Seam], states, params, x, 
     block_code = jnp.where(bad, ledger_lib.BLOCK_REASON, -1).astype(jnp.int32)
     incs = {}
     for n, a in attempts.items():
-        if a.trace_reason is not None:
+        if a.trace_reason is not None or own_codes:
             incs[n] = seams_lib.attempt_increments(a)
         else:
             incs[n] = seams_lib.attempt_increments(a, jnp.where(a.code >= 0, a.code, block_code))
@@ -218,6 +220,12 @@ def fp8_block(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None, fallback: 
         conds per layer with ``'seam'`` and 2 with ``'block'``.
         A detached seam makes every call of its block fall back under
         ``'block'``: rebind without it to keep the others in fp8.
+        ``'step'``: no decision in the block at all (no cond): every seam
+        runs fp8 and counts its own outcome; the train step decides once
+        (`BoundBlock.fold_step`): when any seam call of the step failed its
+        check, the step's update is dropped and the step rerun in high
+        precision (``eae-jax train --fp8-fallback step``). The cheapest
+        guard, for training loops that can rerun a step.
         Default ``'block'``: on the H200 a medium reconstruct train step
         took 87.4 ms with it, 95.3 ms per seam and 83.7 ms with no value
         checks (`experiments/bench_fp8.py --e2e`; README).
@@ -278,7 +286,7 @@ class BoundBlock:
       certification: name -> dict (dims, per-layer scales, worst boundary
         and bare cosines per layer, samples, percentile, gate).
       monitor: host-side `LedgerMonitor`.
-      fallback: ``'seam'`` or ``'block'`` (see `fp8_block`).
+      fallback: ``'seam'``, ``'block'`` or ``'step'`` (see `fp8_block`).
     """
 
     cfg: BlockConfig
@@ -300,7 +308,8 @@ class BoundBlock:
         return fp8_block_with_ledger(self.cfg, self.seams, self.monitor, self.fallback)
 
     def with_fallback(self, fallback: str) -> "BoundBlock":
-        """The same bound block deciding fallbacks per ``'seam'`` or per ``'block'`` call."""
+        """The same bound block deciding fallbacks per ``'seam'`` call, per
+        ``'block'`` call or per train ``'step'`` (see `fp8_block`)."""
         return dataclasses.replace(self, fallback=_check_fallback(fallback))
 
     def params(self, block_params: Any, state: Optional[Dict[str, SeamState]] = None) -> dict:
@@ -340,6 +349,31 @@ class BoundBlock:
             raise ValueError(f"unknown grad_scaling {grad_scaling!r}; expected one of {seams_lib.GRAD_SCALINGS}")
         return dataclasses.replace(self, seams={n: sm.replace(grad_scaling=grad_scaling)
                                                 for n, sm in self.seams.items()})
+
+    def fold_step(self, state: Dict[str, SeamState], grads: Dict[str, Any],
+                  notify: bool = True):
+        """`fold` for ``fallback='step'``: ``(new state, bad)``.
+
+        ``bad`` (bool scalar) says whether any seam call of the step failed a
+        check (any seam, any layer): the caller drops the step's update and
+        reruns it in high precision. The counts then say so: the failing
+        calls with their own reason, every other call of the step with
+        reason ``'step'``; gradient-scale observations of a dropped step are
+        discarded.
+        """
+        ledgers = {n: (g.ledger if isinstance(g, SeamState) else g) for n, g in grads.items()}
+        bad = functools.reduce(jnp.logical_or, [jnp.any(ledger_lib.own_fallbacks(ledgers[n]) > 0)
+                                                for n in self.seams], jnp.zeros((), jnp.bool_))
+        adjusted = {}
+        for n in self.seams:
+            g = grads[n]
+            led = ledger_lib.as_step_fallback(ledgers[n], bad)
+            if isinstance(g, SeamState):
+                gs = None if g.grad_scales is None else jnp.where(bad, jnp.zeros_like(g.grad_scales), g.grad_scales)
+                adjusted[n] = g._replace(ledger=led, grad_scales=gs)
+            else:
+                adjusted[n] = led
+        return self.fold(state, adjusted, notify), bad
 
     def require_grad_scales(self, state: Dict[str, SeamState]) -> None:
         """Raise ValueError unless every seam and layer of ``state`` has
@@ -381,7 +415,7 @@ def bind_block(
       percentile: per-sample amax reduced across samples at this percentile.
       gate_cos: threshold (default each seam's ``config.gate_cos``; 0 off).
       scales: override per seam name, ``(depth, points)`` (or ``(points,)``).
-      fallback: ``'seam'`` or ``'block'``: how the bound block falls back
+      fallback: ``'seam'``, ``'block'`` or ``'step'``: how the bound block falls back
         (see `fp8_block`).
 
     Returns:

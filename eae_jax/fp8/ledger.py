@@ -21,7 +21,8 @@ counts get out of a compiled step without double counting:
 Increments are additive (calls, fp8 calls, a count per reason, amax), so a
 ledger that several calls share in one step still gets exact totals. What
 is derived in `fold` from one step's increments: ``consecutive`` (run of
-calls that fell back for a reason of the seam's own, i.e. not ``'block'``;
+calls that fell back for a reason of the seam's own, i.e. not ``'block'``
+or ``'step'``;
 reset by a step with any fp8 call, so a step mixing both resets it — the
 conservative choice), ``detached`` (set for good once
 ``consecutive`` reaches ``detach_after``; the seam then takes its
@@ -60,12 +61,14 @@ REASONS = (
     "device",             # trace time: platform without fp8 GEMMs, or not allowed
     "detached",           # the seam detached itself after too many consecutive fallbacks
     "block",              # another seam of the same block call fell back (block-level fallback)
+    "step",               # a seam somewhere in the same train step fell back (step-level fallback)
 )
 VALUE_REASONS = REASONS[:3]
 TRACE_REASONS = REASONS[3:6]
-#: A fallback for this reason is not the seam's own: it neither extends the
+#: A fallback for these reasons is not the seam's own: it neither extends the
 #: seam's run of consecutive fallbacks nor can detach it.
 BLOCK_REASON = REASONS.index("block")
+STEP_REASON = REASONS.index("step")
 NUM_REASONS = len(REASONS)
 
 
@@ -159,6 +162,23 @@ def zeros_like_ledger(ledger: Ledger) -> Ledger:
     return jax.tree_util.tree_map(jnp.zeros_like, ledger)
 
 
+def own_fallbacks(inc: Ledger) -> jax.Array:
+    """Per seam instance: calls of ``inc`` that fell back for a reason of their
+    own, found in the graph (non-finite, saturation, detached), float32."""
+    own = [REASONS.index(r) for r in VALUE_REASONS + ("detached",)]
+    return jnp.sum(inc.reasons[..., own], axis=-1)
+
+
+def as_step_fallback(inc: Ledger, bad: jax.Array) -> Ledger:
+    """Increments of a train step that is thrown away and rerun in high
+    precision when ``bad``: every call that ran fp8 is recounted as a
+    fallback with reason ``'step'`` (the calls that failed keep their own
+    reason). Unchanged when not ``bad``."""
+    moved = jnp.where(bad, inc.fp8_calls, 0.0)
+    reasons = inc.reasons.at[..., STEP_REASON].add(moved)
+    return inc._replace(fp8_calls=inc.fp8_calls - moved, reasons=reasons)
+
+
 def fold(ledger: Ledger, inc: Ledger, detach_after: Optional[int] = 32) -> Ledger:
     """Add one step's increments to a ledger and derive the run/detach state.
 
@@ -185,7 +205,7 @@ def fold(ledger: Ledger, inc: Ledger, detach_after: Optional[int] = 32) -> Ledge
     calls = ledger.calls + inc.calls
     fp8_calls = ledger.fp8_calls + inc.fp8_calls
     reasons = ledger.reasons + inc.reasons
-    fell_back = inc.calls - inc.fp8_calls - inc.reasons[..., BLOCK_REASON]
+    fell_back = inc.calls - inc.fp8_calls - inc.reasons[..., BLOCK_REASON] - inc.reasons[..., STEP_REASON]
     consecutive = jnp.where(inc.fp8_calls > 0, 0.0, ledger.consecutive + fell_back)
     if detach_after:
         detached = jnp.maximum(ledger.detached, (consecutive >= detach_after).astype(jnp.float32))

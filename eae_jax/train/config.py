@@ -107,8 +107,8 @@ class TrainConfig:
         self.policy_obj = DTypePolicy.from_name(self.dtype)  # validates the name
         if self.fp8_scaling not in ("static", "delayed", "row"):
             raise ValueError(f"unknown fp8_scaling {self.fp8_scaling!r}; valid: static, delayed, row")
-        if self.fp8_fallback not in ("seam", "block"):
-            raise ValueError(f"unknown fp8_fallback {self.fp8_fallback!r}; valid: seam, block")
+        if self.fp8_fallback not in ("seam", "block", "step"):
+            raise ValueError(f"unknown fp8_fallback {self.fp8_fallback!r}; valid: seam, block, step")
         if self.fp8_grad_scaling not in ("current", "delayed"):
             raise ValueError(f"unknown fp8_grad_scaling {self.fp8_grad_scaling!r}; valid: current, delayed")
         if self.fp8:

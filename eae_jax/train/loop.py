@@ -78,32 +78,58 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
 
     ``tokens`` is int32 ``(microbatches, micro_batch, seq_len + 1)``.
     ``bound_fp8`` (from `bind_fp8`) folds the fp8 seams' ledgers and scales
-    after every microbatch.
+    after every microbatch. With ``fallback='step'`` it folds once per step
+    (`BoundBlock.fold_step`) and, when a seam call of the step failed its
+    check, leaves params, optimizer state, adjoint carry and step number as
+    they were and sets ``metrics['fp8_step_rejected']``: the caller reruns
+    the step in high precision (a step built without ``bound_fp8``, which
+    passes the fp8 state through untouched).
     """
     accum_dtype = parse_compute_dtype(cfg.grad_accum_dtype)
+    step_fallback = bound_fp8 is not None and bound_fp8.fallback == "step"
 
     def loss_fn(params, fp8_state, carry, tokens):
-        logits = stack(segment_params(params, fp8_state, model), tokens[:, :-1], carry)
+        logits = stack(segment_params(params, fp8_state if bound_fp8 is not None else None, model),
+                       tokens[:, :-1], carry)
         return cross_entropy(logits, tokens[:, 1:])
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
 
     def step(state: TrainState, tokens: jax.Array):
         def micro(acc, mb_tokens):
-            grads_acc, fp8_state, carry = acc
+            grads_acc, fp8_acc, carry = acc
+            fp8_state = state.fp8 if step_fallback else fp8_acc
             loss, (grads, g_fp8, g_carry) = grad_fn(state.params, fp8_state, carry, mb_tokens)
             carry, stats = stack.update(carry, g_carry, strict=False)
-            if bound_fp8 is not None:
-                fp8_state = bound_fp8.fold(fp8_state, g_fp8)
+            if step_fallback:
+                fp8_acc = _add_observations(fp8_acc, g_fp8)
+            elif bound_fp8 is not None:
+                fp8_acc = bound_fp8.fold(fp8_state, g_fp8)
             grads_acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(accum_dtype), grads_acc, grads)
-            return (grads_acc, fp8_state, carry), (loss, stats)
+            return (grads_acc, fp8_acc, carry), (loss, stats)
 
         zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), state.params)
-        (grads, fp8_state, carry), (losses, stats) = jax.lax.scan(micro, (zeros, state.fp8, state.carry), tokens)
+        fp8_init = jax.tree_util.tree_map(jnp.zeros_like, state.fp8) if step_fallback else state.fp8
+        (grads, fp8_state, carry), (losses, stats) = jax.lax.scan(micro, (zeros, fp8_init, state.carry), tokens)
         n = tokens.shape[0]
         grads = jax.tree_util.tree_map(lambda g, p: (g.astype(jnp.float32) / n).astype(p.dtype), grads, state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        rejected = jnp.zeros((), jnp.bool_)
+        if step_fallback:
+            fp8_state, rejected = bound_fp8.fold_step(state.fp8, fp8_state)
+            carry = jax.tree_util.tree_map(lambda old, new: jnp.where(rejected, old, new), state.carry, carry)
+
+        def apply_update(ops):
+            grads_, opt_state_, params_ = ops
+            updates, opt_state_ = tx.update(grads_, opt_state_, params_)
+            return optax.apply_updates(params_, updates), opt_state_
+
+        if step_fallback:
+            # The update only when nothing failed (its branch computes it; the
+            # other passes the old state through, a copy only on that rare path).
+            params, opt_state = jax.lax.cond(rejected, lambda ops: (ops[2], ops[1]), apply_update,
+                                             (grads, state.opt_state, state.params))
+        else:
+            params, opt_state = apply_update((grads, state.opt_state, state.params))
         metrics = {
             "loss": jnp.mean(losses),
             "grad_norm": optax.global_norm(grads),
@@ -115,10 +141,25 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
         if bound_fp8 is not None:
             ledger = fp8_state  # per seam name: stacked over layers
             metrics["fp8_fallbacks"] = sum(jnp.sum(s.ledger.calls - s.ledger.fp8_calls) for s in ledger.values())
-        new_state = TrainState(state.step + 1, params, opt_state, carry, state.key, fp8_state)
+        if step_fallback:
+            metrics["fp8_step_rejected"] = rejected
+        new_state = TrainState(state.step + jnp.where(rejected, 0, 1).astype(state.step.dtype), params, opt_state,
+                               carry, state.key, fp8_state)
         return new_state, metrics
 
     return step
+
+
+def _add_observations(acc, g_fp8):
+    """Sum microbatches' fp8 observations: counts add up, gradient amaxes
+    take the maximum (a sum would overstate the scale)."""
+    out = {}
+    for n, a in acc.items():
+        g = g_fp8[n]
+        grad = None if a.grad_scales is None else jnp.maximum(a.grad_scales, g.grad_scales)
+        summed = jax.tree_util.tree_map(jnp.add, a._replace(grad_scales=None), g._replace(grad_scales=None))
+        out[n] = summed._replace(grad_scales=grad)
+    return out
 
 
 def _mesh(devices: Optional[int]):
@@ -227,6 +268,14 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
             step_fn = delayed_fn
             delayed_fn = None
 
+    # fallback='step': a step whose fp8 checks failed changed nothing but the
+    # counts; it is rerun on the same tokens without fp8 seams. Reading the
+    # flag is one host sync per step (that guard's price instead of a cond
+    # per block).
+    rerun_fn = None
+    if bound_fp8 is not None and bound_fp8.fallback == "step":
+        rerun_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, None), tx, model, None), donate_argnums=(0,))
+
     log = JsonlLog(os.path.join(cfg.out, "log.jsonl"))
     first_loss = last_loss = None
     t_last, tokens_per_step = time.perf_counter(), cfg.batch * cfg.seq_len
@@ -238,6 +287,9 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
         tokens = jax.device_put(tokens.reshape(cfg.microbatches, micro_batch, -1), data_sharding)
         state, metrics = step_fn(state, tokens)
         done = step + 1
+        if rerun_fn is not None and bool(metrics["fp8_step_rejected"]):
+            state, metrics = rerun_fn(state, tokens)
+            log_fn(f"fp8: a seam check failed in step {done}; the step was rerun in high precision")
         if delayed_fn is not None:
             # A host check (one sync) per step, for a few steps only: a seam
             # that keeps falling back never observes its gradients.

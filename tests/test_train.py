@@ -216,6 +216,10 @@ def test_step_fallback_trains_like_block_and_reruns_failed_steps_in_high_precisi
     stp = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="step", out=str(tmp_path / "stp"), **base), log_fn=quiet)
     assert stp["fp8"]["calls"] == blk["fp8"]["calls"] and stp["fp8"]["fallbacks"] == 0
     assert stp["final_loss"] == pytest.approx(blk["final_loss"], rel=1e-5)
+    # Microbatches: one decision per step over all of them, every call counted.
+    mb = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="step", microbatches=2, out=str(tmp_path / "mb"),
+                           **{**base, "batch": 8}), log_fn=quiet)
+    assert mb["fp8"]["calls"] == 2 * blk["fp8"]["calls"] and mb["fp8"]["fallbacks"] == 0
 
     from eae_jax.fp8 import ledger as ledger_lib
 

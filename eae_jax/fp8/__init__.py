@@ -5,7 +5,9 @@ Modules, one job each:
 * `eae_jax.fp8.quant`: scales, quantization, the fp8 GEMM (`fp8_linear`:
   e4m3 forward, e5m2 backward, both real fp8 ``dot_general``\\ s).
 * `eae_jax.fp8.seams`: seams (SwiGLU FFN, fused projections), `bind`
-  (calibrate, build, gate), `BoundSeam`, `Certification`.
+  (calibrate, build, gate), `BoundSeam`, `Certification`, the seam state
+  (activation scales, ledger, observed gradient scales for current or
+  delayed gradient scaling).
 * `eae_jax.fp8.guards`: the trace-time contract and in-graph value checks.
 * `eae_jax.fp8.ledger`: fallback counting through the VJP, `fold`,
   `report`, the host monitor (warn once, detach notice), strict mode.

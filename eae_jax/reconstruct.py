@@ -315,7 +315,7 @@ class Reconstructed:
         VJP, so nothing in that iteration waits on it and XLA can overlap the
         transfer with compute (costing one extra boundary of device memory).
         """
-        return self.offload and self.policy is None and seg.scanned and n >= 2 and not self._unrolls(seg)
+        return self.offload and self.policy is None and seg.scanned and n >= 2
 
     def _block_forward(self, seg, p, h, side, layouts):
         """Run one block forward; return (output, residuals for its backward)."""

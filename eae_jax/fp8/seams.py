@@ -706,7 +706,7 @@ def state_report(state: SeamState, name: str) -> List[Dict[str, Any]]:
     return out
 
 
-def require_grad_scales(seam: Seam, state: SeamState, where: str = "") -> None:
+def require_grad_scales(seam: Seam, state: SeamState) -> None:
     """Raise unless every gradient scale of ``state`` has been observed (host check,
     concrete state): what delayed gradient scaling needs before its first step.
 
@@ -715,13 +715,13 @@ def require_grad_scales(seam: Seam, state: SeamState, where: str = "") -> None:
         (listed by layer and GEMM).
     """
     if state.grad_scales is None:
-        raise ValueError(f"seam {seam.name!r}{where}: the state has no grad_scales (made before gradient scaling "
+        raise ValueError(f"seam {seam.name!r}: the state has no grad_scales (made before gradient scaling "
                          "existed); init_state / bind make them")
     gs = np.asarray(state.grad_scales)
     missing = np.argwhere(~(gs > 0))
     if missing.size:
         listing = ", ".join(str(tuple(int(i) for i in m)) for m in missing[:8])
-        raise ValueError(f"seam {seam.name!r}{where}: gradient scales never observed at {listing}"
+        raise ValueError(f"seam {seam.name!r}: gradient scales never observed at {listing}"
                          f"{' ...' if len(missing) > 8 else ''} (index: layer..., GEMM); run a step with "
                          "grad_scaling='current' and fold it first")
 

@@ -113,17 +113,15 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
         (grads, fp8_state, carry), (losses, stats) = jax.lax.scan(micro, (zeros, fp8_init, state.carry), tokens)
         n = tokens.shape[0]
         grads = jax.tree_util.tree_map(lambda g, p: (g.astype(jnp.float32) / n).astype(p.dtype), grads, state.params)
-        rejected = jnp.zeros((), jnp.bool_)
-        if step_fallback:
-            fp8_state, rejected = bound_fp8.fold_step(state.fp8, fp8_state)
-            carry = jax.tree_util.tree_map(lambda old, new: jnp.where(rejected, old, new), state.carry, carry)
-
         def apply_update(ops):
             grads_, opt_state_, params_ = ops
             updates, opt_state_ = tx.update(grads_, opt_state_, params_)
             return optax.apply_updates(params_, updates), opt_state_
 
+        rejected = jnp.zeros((), jnp.bool_)
         if step_fallback:
+            fp8_state, rejected = bound_fp8.fold_step(state.fp8, fp8_state)
+            carry = jax.tree_util.tree_map(lambda old, new: jnp.where(rejected, old, new), state.carry, carry)
             # The update only when nothing failed (its branch computes it; the
             # other passes the old state through, a copy only on that rare path).
             params, opt_state = jax.lax.cond(rejected, lambda ops: (ops[2], ops[1]), apply_update,

@@ -78,8 +78,11 @@ def hlo_counts(compiled) -> Dict[str, int]:
         "cublas_fp8": text.count('"__cublas$lt$matmul$f8"'),
         "cublas_all": len(re.findall(r'"__cublas\$[^"]*"', text)),
         "triton_gemm": text.count("__triton_gemm"),
-        # Conditionals in the program text (a scan body counts once, not per layer).
+        # Conditionals, loops and copies in the program text (a scan body
+        # counts once, not per layer).
         "conditionals": text.count(" conditional("),
+        "whiles": text.count(" while("),
+        "copies": len(re.findall(r"\bcopy\(", text)),
     }
 
 
@@ -253,8 +256,11 @@ def _flax_swiglu(op_name: str, cls):
     return FlaxFp8SwiGLU()
 
 
+FFN_SHAPES = {"1b": (8192, 2048, 5632), "7b": (8192, 4096, 11008)}
+
+
 def ffn_section(args) -> List[Dict[str, Any]]:
-    shapes = [(256, 64, 128)] if args.smoke else [(8192, 2048, 5632), (8192, 4096, 11008)]
+    shapes = [(256, 64, 128)] if args.smoke else [FFN_SHAPES[k] for k in args.ffn_shapes]
     rows = []
     for (m, d, f) in shapes:
         log(f"FFN seam tokens={m} dim={d} ffn={f}")
@@ -454,6 +460,8 @@ def e2e_section(args) -> List[Dict[str, Any]]:
         ("fp8 TF/s", lambda r: r.get("fp8_tflops")),
         ("f8 GEMMs", lambda r: r["fp8"]["hlo"].get("cublas_fp8")),
         ("conds", lambda r: r["fp8"]["hlo"].get("conditionals")),
+        ("whiles", lambda r: r["fp8"]["hlo"].get("whiles")),
+        ("copies", lambda r: r["fp8"]["hlo"].get("copies")),
         ("gate cos", lambda r: r.get("gate_worst_cos")),
         ("fallbacks", lambda r: r.get("fallbacks")),
         ("error", lambda r: r.get("error", "")[:60] or None),
@@ -725,6 +733,8 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--e2e", action="store_true", help="reconstruct train steps, bf16 vs fp8 seams")
     ap.add_argument("--train", action="store_true", help="LM training run, fp8 vs bf16 final loss")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, CI): checks the script runs")
+    ap.add_argument("--ffn-shapes", default="1b,7b",
+                    help="FFN shapes: comma list of 1b (tokens 8192, dim 2048, ffn 5632), 7b (8192, 4096, 11008)")
     ap.add_argument("--configs", default="medium,7b", help="e2e configs: comma list of medium,7b")
     ap.add_argument("--scaling", default="static", choices=fp8.seams.SCALINGS, help="e2e activation scaling")
     ap.add_argument("--guards", default="seam,block,off",
@@ -747,6 +757,9 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--out", default=None, help="output folder (default $OUT or experiments/results)")
     args = ap.parse_args(argv)
+    args.ffn_shapes = [k for k in args.ffn_shapes.split(",") if k]
+    if not args.ffn_shapes or any(k not in FFN_SHAPES for k in args.ffn_shapes):
+        ap.error(f"--ffn-shapes: expected a comma list of {sorted(FFN_SHAPES)}, got {args.ffn_shapes}")
     args.guards = [g for g in args.guards.split(",") if g]
     unknown = []
     for g in args.guards:

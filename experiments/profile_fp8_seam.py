@@ -23,6 +23,8 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
 * ``raw-current`` / ``raw-delayed``: the bare FFN through `eae_jax.fp8.fp8_linear`
   (no seam, no checks) with current / delayed scaling of the output
   gradients (delayed scales from one observed backward, 1 binade margin).
+* ``raw-split`` / ``raw-split-delayed``: the same with gate and up as two
+  GEMMs instead of one over their fp8 concatenation.
 * ``eae``: `eae_jax.fp8` FFN seam, static scales, guards on.
 * ``eae-unguarded``: the same with ``check_values=False``.
 * ``flax``: ``flax.linen.Fp8DirectDotGeneralOp`` SwiGLU (when flax has it).
@@ -162,12 +164,26 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
         return fp8.fp8_linear(h, p["w_down"], hs, grad_scale=None if gscales is None else gscales[1], delayed_grad=d)
 
+    def raw_split(p, x_, gscales, delayed=True):
+        # gate and up as two GEMMs: no fp8 concatenation of their weights in
+        # the forward, no transposed concatenation or gradient split in the
+        # backward; XLA shares the one quantization of x between them.
+        d = gscales is not None and delayed
+        kw = [{} if gscales is None else {"grad_scale": gscales[i], "delayed_grad": d} for i in range(2)]
+        g = fp8.fp8_linear(x_, p["w_gate"], xs, **kw[0])
+        u = fp8.fp8_linear(x_, p["w_up"], xs, **kw[0])
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
+        return fp8.fp8_linear(h, p["w_down"], hs, **kw[1])
+
     observed = jax.grad(lambda s_: jnp.sum(raw_ffn(pb, x, s_, False).astype(jnp.float32) * ct.astype(jnp.float32)))(
         jnp.ones((2,), jnp.float32))
     gscales = jnp.where(observed > 0, observed * 2.0 / 57344.0, 1.0)
     out.append(("raw-current", lambda p, x_: raw_ffn(p, x_, None), fb_of(lambda p, x_: raw_ffn(p, x_, None)), pb))
     out.append(("raw-delayed", lambda p, x_: raw_ffn(p, x_, gscales), fb_of(lambda p, x_: raw_ffn(p, x_, gscales)),
                 pb))
+    out.append(("raw-split", lambda p, x_: raw_split(p, x_, None), fb_of(lambda p, x_: raw_split(p, x_, None)), pb))
+    out.append(("raw-split-delayed", lambda p, x_: raw_split(p, x_, gscales),
+                fb_of(lambda p, x_: raw_split(p, x_, gscales)), pb))
     for label, guarded in (("eae", True), ("eae-unguarded", False)):
         seam = fp8.ffn_seam(check_values=guarded)
         bound = fp8.bind(seam, pb, cal, residuals=resid)

@@ -16,11 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "preset": f"model/batch preset: {', '.join(PRESETS)}",
         "dtype": "fp32 | bf16 | fp16 | fp8_e4m3 (compute and boundary dtype; params stay fp32; fp8 binds fp8 seams)",
         "fp8_scaling": "activation scaling of the fp8 seams: delayed | static | row",
-        "fp8_fallback": "where a failed fp8 check falls back to high precision: block (the whole block call, "
-                        "default: one lax.cond per block) | seam (that seam call: one lax.cond per seam) | step "
-                        "(no cond: a step with a failed check is dropped and rerun in high precision)",
-        "fp8_grad_scaling": "e5m2 scales of the fp8 seams' gradients: current (from each gradient's own amax) "
-                            "| delayed (from the previous step's; the first step runs current to observe them)",
+        "fp8_fallback": "where a failed fp8 check falls back to high precision: step (default; no cond: a step "
+                        "with a failed check is dropped and rerun in high precision) | block (the whole block "
+                        "call: one lax.cond per block) | seam (that seam call: one lax.cond per seam)",
+        "fp8_grad_scaling": "e5m2 scales of the fp8 seams' gradients: delayed (default; from the previous step's, "
+                            "the first step runs current to observe them) | current (from each gradient's own amax)",
         "passes": "adjoint pass chain, e.g. 'int8,clip=1.0' (see eae_jax.train.config.parse_passes)",
         "policy": "reconstruct policy: boundaries | dots | dots_all | everything",
         "data": "token file (.npy or uint16 .bin); default: a learnable synthetic task",

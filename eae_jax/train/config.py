@@ -91,8 +91,9 @@ class TrainConfig:
     log_every: int = 10
     devices: Optional[int] = None
     fp8_scaling: str = "delayed"
-    fp8_fallback: str = "block"
-    fp8_grad_scaling: str = "current"
+    # The fastest guarded fp8 training on the H200 (README, "fp8 seams").
+    fp8_fallback: str = "step"
+    fp8_grad_scaling: str = "delayed"
 
     def __post_init__(self):
         if self.preset not in PRESETS:

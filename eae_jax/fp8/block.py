@@ -226,9 +226,11 @@ def fp8_block(cfg: BlockConfig, seams: Dict[str, Seam], monitor=None, fallback: 
         check, the step's update is dropped and the step rerun in high
         precision (``eae-jax train --fp8-fallback step``). The cheapest
         guard, for training loops that can rerun a step.
-        Default ``'block'``: on the H200 a medium reconstruct train step
-        took 87.4 ms with it, 95.3 ms per seam and 83.7 ms with no value
-        checks (`experiments/bench_fp8.py --e2e`; README).
+        Default ``'block'`` (no rerun needed): on the H200 a medium
+        reconstruct train step took 87.4 ms with it, 95.3 ms per seam and
+        83.7 ms with no value checks; in another run 82.4 ms with
+        ``'step'`` against 82.2 ms unchecked (`experiments/bench_fp8.py
+        --e2e`; README).
 
     Returns:
       ``block(p, x) -> (batch, seq, dim)`` with ``p = {'params', 'fp8'}``.

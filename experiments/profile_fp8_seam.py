@@ -23,6 +23,8 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
 * ``raw-current`` / ``raw-delayed``: the bare FFN through `eae_jax.fp8.fp8_linear`
   (no seam, no checks) with current / delayed scaling of the output
   gradients (delayed scales from one observed backward, 1 binade margin).
+* ``raw-frozen``: the same forward with weights quantized once
+  (`eae_jax.fp8.quantize_weight`, inference): no per-call weight work.
 * ``raw-split`` / ``raw-split-delayed``: the same with gate and up as two
   GEMMs instead of one over their fp8 concatenation.
 * ``eae``: `eae_jax.fp8` FFN seam, static scales, guards on.
@@ -181,6 +183,17 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     out.append(("raw-current", lambda p, x_: raw_ffn(p, x_, None), fb_of(lambda p, x_: raw_ffn(p, x_, None)), pb))
     out.append(("raw-delayed", lambda p, x_: raw_ffn(p, x_, gscales), fb_of(lambda p, x_: raw_ffn(p, x_, gscales)),
                 pb))
+    # Weights quantized once (inference): the forward without per-call
+    # weight quantization; its backward computes dx only.
+    frozen = (fp8.quant.quantize_weight_blocks((pb["w_gate"], pb["w_up"])), fp8.quantize_weight(pb["w_down"]))
+
+    def raw_frozen(p, x_):
+        a = fp8.fp8_linear(x_, frozen[0], xs)
+        g, u = a[:, :f], a[:, f:]
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
+        return fp8.fp8_linear(h, frozen[1], hs)
+
+    out.append(("raw-frozen", raw_frozen, fb_of(raw_frozen), pb))
     out.append(("raw-split", lambda p, x_: raw_split(p, x_, None), fb_of(lambda p, x_: raw_split(p, x_, None)), pb))
     out.append(("raw-split-delayed", lambda p, x_: raw_split(p, x_, gscales),
                 fb_of(lambda p, x_: raw_split(p, x_, gscales)), pb))

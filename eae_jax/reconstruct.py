@@ -352,9 +352,20 @@ class Reconstructed:
         for i in range(n):
             p_i = jax.tree_util.tree_map(lambda a, i=i: a[i], p)
             s_i = self._store(h)
-            h, s_i = jax.lax.optimization_barrier((self._call_block(seg, p_i, h, side), s_i))
+            h, s_i = self._tie_store(self._call_block(seg, p_i, h, side), s_i)
             stored.append(s_i)
         return h, _HostBoundaries(tuple(stored))
+
+    def _tie_store(self, y, stored):
+        """``(y, stored)`` with block i's output ``y`` (block i+1's input)
+        waiting for boundary i's copy to the host: one copy in flight."""
+        return jax.lax.optimization_barrier((y, stored))
+
+    def _fetch_after(self, src, g):
+        """``(device copy of the host boundary src, g)``, the copy started
+        only once the adjoint ``g`` exists (a barrier on its host operand)."""
+        src, g = jax.lax.optimization_barrier((src, g))
+        return offload_lib.to_device(src), g
 
     def _unrolled_backward(self, seg, p, res, g, states, off, spec, side, step, num):
         """Backward of an unrolled offloaded segment: block i recomputes and
@@ -375,8 +386,7 @@ class Reconstructed:
         for i in reversed(range(n)):
             nxt = None
             if i > 0:
-                src, g = jax.lax.optimization_barrier((res.arrays[i - 1], g))
-                nxt = offload_lib.to_device(src)
+                nxt, g = self._fetch_after(res.arrays[i - 1], g)
             p_i = jax.tree_util.tree_map(lambda a, i=i: a[i], p)
             st_i = jax.tree_util.tree_map(lambda a, i=i: a[i], states)
             gp, gh = self._vjp_at(seg, p_i, cur.astype(spec.dtype), g, float_in, side)
@@ -423,7 +433,7 @@ class Reconstructed:
             if plan is not None:
                 layouts[("slots", seg.name)] = plan
                 h, res = self._slot_forward(seg, p, h, side, plan, self._depth(seg, p))
-            elif seg.scanned and self._unrolls(seg):
+            elif self._unrolls(seg):
                 h, res = self._unrolled_forward(seg, p, h, side, self._depth(seg, p))
             elif seg.scanned:
                 def body(hh, pp, seg=seg):

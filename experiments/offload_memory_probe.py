@@ -16,10 +16,11 @@ analysis of each (no step is run, so it needs little device time):
 * ``unrolled-fwd-nobar``: the forward without barriers (XLA schedules the
   device-to-host copies freely).
 * ``unrolled-bwd-devbar``: the backward ties the copy's *device* result to
-  the block's parameter gradients instead of its host operand.
+  the incoming adjoint instead of its host operand.
 
-The variants replace private methods of one stack instance: a diagnostic,
-not an API. A variant whose device temp memory drops to the scanned
+The variants replace the two private methods that place those barriers
+(``_tie_store``, ``_fetch_after``) on one stack instance: a diagnostic, not
+an API. A variant whose device temp memory drops to the scanned
 schedule's shows which barrier keeps the boundaries on the device.
 
     python experiments/offload_memory_probe.py [--depth 6] [--variants unrolled,sep] [--out DIR] [--smoke]
@@ -34,13 +35,12 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib
 import json
 import os
 import re
 import sys
 import time
-from typing import Any, Callable, Dict
+from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
@@ -51,56 +51,30 @@ import eae_jax  # noqa: E402
 from eae_jax import offload as offload_lib  # noqa: E402
 from eae_jax.blocks import BlockConfig, decoder_block, init_stack  # noqa: E402
 
-# The package exports the function `reconstruct`, which shadows the module.
-rec = importlib.import_module("eae_jax.reconstruct")
+
+def _fetch_untied(self, src, g):
+    """The host-to-device copy issued with nothing to wait for."""
+    return offload_lib.to_device(src), g
 
 
-def _backward(tie: str) -> Callable:
-    """The unrolled backward with the next boundary's copy tied by ``tie``:
-    ``'none'`` (copy issued with nothing to wait for) or ``'device'`` (the
-    copied device array tied to this block's parameter gradients)."""
-
-    def backward(self, seg, p, res, g, states, off, spec, side, step, num):
-        n = len(res.arrays)
-        float_in = rec._is_float(spec)
-        cur = offload_lib.to_device(res.arrays[n - 1])
-        grads = None
-        sts, nins, nouts = [None] * n, [None] * n, [None] * n
-        for i in reversed(range(n)):
-            nxt = offload_lib.to_device(res.arrays[i - 1]) if (i > 0 and tie == "none") else None
-            p_i = jax.tree_util.tree_map(lambda a, i=i: a[i], p)
-            st_i = jax.tree_util.tree_map(lambda a, i=i: a[i], states)
-            gp, gh = self._vjp_at(seg, p_i, cur.astype(spec.dtype), g, float_in, side)
-            if i > 0 and tie == "device":
-                nxt, gp = jax.lax.optimization_barrier((offload_lib.to_device(res.arrays[i - 1]), gp))
-            if grads is None:
-                grads = jax.tree_util.tree_map(lambda l: jnp.zeros((n,) + l.shape, l.dtype), gp)
-            grads = jax.tree_util.tree_map(lambda buf, l, i=i: buf.at[i].set(l), grads, gp)
-            if nxt is not None:
-                gh, grads, nxt = jax.lax.optimization_barrier((gh, grads, nxt))
-            g, sts[i], nins[i], nouts[i] = self._scan_boundary(gh, g, st_i, jnp.int32(off + i), step, num)
-            cur = nxt
-        return g, (grads, jax.tree_util.tree_map(lambda *ls: jnp.stack(ls), *sts), jnp.stack(nins), jnp.stack(nouts))
-
-    return backward
+def _fetch_device_tied(self, src, g):
+    """The copy's device result, not its host operand, tied to the adjoint
+    (so the copy must also finish before block i's VJP starts)."""
+    return jax.lax.optimization_barrier((offload_lib.to_device(src), g))
 
 
-def _forward_without_barriers(self, seg, p, h, side, n):
-    stored = []
-    for i in range(n):
-        p_i = jax.tree_util.tree_map(lambda a, i=i: a[i], p)
-        stored.append(self._store(h))
-        h = self._call_block(seg, p_i, h, side)
-    return h, rec._HostBoundaries(tuple(stored))
+def _store_untied(self, y, stored):
+    """No barrier: XLA schedules the device-to-host copies freely."""
+    return y, stored
 
 
 VARIANTS: Dict[str, Dict[str, Any]] = {
     "sep": dict(offload=False, boundaries_in_grads=False),
     "scan": dict(offload=True),
     "unrolled": dict(offload="unrolled"),
-    "unrolled-bwd-nohostbar": dict(offload="unrolled", backward=_backward("none")),
-    "unrolled-fwd-nobar": dict(offload="unrolled", forward=_forward_without_barriers),
-    "unrolled-bwd-devbar": dict(offload="unrolled", backward=_backward("device")),
+    "unrolled-bwd-nohostbar": dict(offload="unrolled", hooks={"_fetch_after": _fetch_untied}),
+    "unrolled-fwd-nobar": dict(offload="unrolled", hooks={"_tie_store": _store_untied}),
+    "unrolled-bwd-devbar": dict(offload="unrolled", hooks={"_fetch_after": _fetch_device_tied}),
 }
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "host_temp_size_in_bytes")
 
@@ -108,12 +82,10 @@ MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in
 def probe(name: str, block, params, x, save_hlo: str = "") -> Dict[str, Any]:
     """Compile one variant's train step; its memory analysis and HLO counts."""
     spec = dict(VARIANTS[name])
-    forward, backward = spec.pop("forward", None), spec.pop("backward", None)
+    hooks = spec.pop("hooks", {})
     stack = eae_jax.reconstruct(block, **spec)
-    if forward is not None:
-        stack._unrolled_forward = forward.__get__(stack)
-    if backward is not None:
-        stack._unrolled_backward = backward.__get__(stack)
+    for method, fn in hooks.items():
+        setattr(stack, method, fn.__get__(stack))
     state = stack.init(params, x, jax.random.key(0))
 
     def step(p, carry, x_):

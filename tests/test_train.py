@@ -206,6 +206,7 @@ def test_delayed_grad_scaling_gives_up_when_scales_stay_unobserved(tmp_path, mon
                                 fp8_grad_scaling="delayed", out=str(tmp_path)), log_fn=said.append)
     assert summary["steps"] == 2 and np.isfinite(summary["final_loss"])
     assert [m for m in said if "staying with current gradient scaling" in m and "after 1 steps" in m]
+    assert summary["fp8"]["grad_scaling"] == "current"  # what the steps used, not what was asked for
     assert not [m for m in said if "delayed gradient scaling from" in m]
 
 

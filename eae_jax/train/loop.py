@@ -258,13 +258,13 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     # step unless it fell back), then the delayed step takes over for good
     # (a fold never unsets an observed scale).
     delayed_fn = None
+    grad_scaling = "current"  # what the run's steps use now (the summary reports it)
     if bound_fp8 is not None and cfg.fp8_grad_scaling == "delayed":
         delayed = bound_fp8.with_grad_scaling("delayed")
         delayed_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, delayed), tx, model, delayed),
                              donate_argnums=(0,))
         if _grad_scales_observed(bound_fp8, state.fp8):
-            step_fn = delayed_fn
-            delayed_fn = None
+            step_fn, delayed_fn, grad_scaling = delayed_fn, None, "delayed"
 
     # fallback='step': a step whose fp8 checks failed changed nothing but the
     # counts; it is rerun on the same tokens without fp8 seams. Reading the
@@ -292,7 +292,7 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
             # A host check (one sync) per step, for a few steps only: a seam
             # that keeps falling back never observes its gradients.
             if _grad_scales_observed(bound_fp8, state.fp8):
-                step_fn, delayed_fn = delayed_fn, None
+                step_fn, delayed_fn, grad_scaling = delayed_fn, None, "delayed"
                 log_fn(f"fp8: gradient scales observed; delayed gradient scaling from step {done + 1}")
             elif done - start_step >= DELAYED_SWITCH_STEPS:
                 delayed_fn = None
@@ -322,7 +322,7 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
         summary["fp8"] = {"calls": sum(r["calls"] for r in report), "fp8_calls": sum(r["fp8_calls"] for r in report),
                           "fallbacks": sum(r["fallbacks"] for r in report),
                           "grad_clipped": sum(sum(r.get("grad_clipped", [])) for r in report),
-                          "grad_scaling": cfg.fp8_grad_scaling,
+                          "grad_scaling": grad_scaling,
                           "detached": [r["seam"] for r in report if r["detached"]],
                           "gate_worst_cos": min(c["worst_cos"] for c in bound_fp8.certification.values())}
     return summary

@@ -387,6 +387,12 @@ class Reconstructed:
             nxt = None
             if i > 0:
                 nxt, g = self._fetch_after(res.arrays[i - 1], g)
+            # Block i's weights are sliced from params that pass a barrier
+            # with its adjoint: the same slice in the forward would otherwise
+            # be merged with this one (CSE), and the forward's copy of each
+            # block's weights (those a GEMM reads through a concatenation)
+            # would stay on the device until the backward reaches that block.
+            p, g = jax.lax.optimization_barrier((p, g))
             p_i = jax.tree_util.tree_map(lambda a, i=i: a[i], p)
             st_i = jax.tree_util.tree_map(lambda a, i=i: a[i], states)
             gp, gh = self._vjp_at(seg, p_i, cur.astype(spec.dtype), g, float_in, side)
@@ -398,7 +404,8 @@ class Reconstructed:
                 # which nothing downstream waits for) completes before block
                 # i-1 may start: one block's internals live at a time.
                 gh, grads, nxt = jax.lax.optimization_barrier((gh, grads, nxt))
-            g, sts[i], nins[i], nouts[i] = self._scan_boundary(gh, g, st_i, jnp.int32(off + i), step, num)
+            g, sts[i], nins[i], nouts[i] = self._tie_stats(
+                self._scan_boundary(gh, g, st_i, jnp.int32(off + i), step, num))
             cur = nxt
 
         return g, (grads, jax.tree_util.tree_map(lambda *ls: jnp.stack(ls), *sts), jnp.stack(nins), jnp.stack(nouts))
@@ -489,6 +496,19 @@ class Reconstructed:
         gh, state, norm_in, norm_out = self._boundary(gh, state, boundary, step, num)
         return (gg if gh is None else gh), state, norm_in, norm_out
 
+    @staticmethod
+    def _tie_stats(out):
+        """``(g, state, norm_in, norm_out)`` from a boundary outside a scan,
+        with the adjoint that flows on waiting for the statistics and pass
+        state. Nothing downstream needs those but the step's outputs, so
+        XLA's scheduler would otherwise compute them after the last block and
+        keep every block's input adjoint (one boundary each) alive until
+        then; in a scan body the loop orders them already."""
+        g, rest = out[0], out[1:]
+        if g is None:
+            return out
+        return jax.lax.optimization_barrier((g,) + tuple(rest))
+
     def _backward(self, plist, saved, carry, side, specs, depths, g, layouts):
         tree = carry_lib.decode(carry)
         step = tree["step"]
@@ -498,7 +518,7 @@ class Reconstructed:
         norms_out = [None] * len(self.segments)
         grads = [None] * len(self.segments)
 
-        g, top, top_in, top_out = self._boundary(g, tree["state"]["top"], num - 1, step, num)
+        g, top, top_in, top_out = self._tie_stats(self._boundary(g, tree["state"]["top"], num - 1, step, num))
         offsets = [sum(depths[:s]) for s in range(len(self.segments))]
         for s in reversed(range(len(self.segments))):
             seg, p, res, n, off = self.segments[s], plist[s], saved[s], depths[s], offsets[s]
@@ -525,7 +545,7 @@ class Reconstructed:
                 g = g_new if _is_float(spec) else None
             else:
                 gp, gh = self._block_backward(seg, p, res, g, spec, side, layouts)
-                g, st, nin, nout = self._boundary(gh, seg_states[s], off, step, num)
+                g, st, nin, nout = self._tie_stats(self._boundary(gh, seg_states[s], off, step, num))
                 nin, nout = nin[None], nout[None]
             grads[s], seg_states[s], norms_in[s], norms_out[s] = gp, st, nin, nout
 

@@ -279,6 +279,10 @@ def main(spec_path: str) -> None:
     if spec["variant"] == "J-plain":
         result.update(bc.combine_rel_err({k: (0.0, 1.0) for k in gflat}))
         result["grad_reference"] = "self"
+        if not mp:
+            t0 = time.perf_counter()
+            _save_f32_reference(jax, jnp, block, params, x, y, mse, workdir, cfg)
+            result["f32_reference_s"] = time.perf_counter() - t0
     else:
         cmp = _compare(jax, jnp, bc.load_reference(workdir, cfg, "J-plain"), gflat)
         if cmp is None:
@@ -286,6 +290,10 @@ def main(spec_path: str) -> None:
         else:
             result.update(cmp)
             result["grad_reference"] = "J-plain"
+    cmp = _compare(jax, jnp, bc.load_reference(workdir, cfg, F32_TAG), gflat)
+    if cmp is not None:
+        result["grad_rel_err_vs_f32"] = cmp["grad_rel_err"]
+        result["grad_worst_rel_err_vs_f32"] = [cmp["grad_worst_leaf"], cmp["grad_worst_rel_err"]]
     for tag in COMPARES_WITH.get(spec["variant"], ()):
         cmp = _compare(jax, jnp, bc.load_reference(workdir, cfg, tag), gflat)
         result[f"grad_rel_err_vs_{tag}"] = None if cmp is None else cmp["grad_rel_err"]
@@ -295,6 +303,36 @@ def main(spec_path: str) -> None:
         result.update(_same_process_check(jax, jnp, eae_jax, block, variant, params_sds, x_sds, y_sds,
                                           params, x, y, mse, gflat, float(loss)))
     _emit("RESULT", result)
+
+
+F32_TAG = "f32"
+
+
+def _save_f32_reference(jax, jnp, block, params, x, y, mse, workdir, cfg) -> None:
+    """The same step in float32 (weights and inputs upcast from the shared
+    bf16 ones, matmuls at HIGHEST precision), saved as reference ``f32``.
+
+    Every bf16 variant's error against it is its accuracy; the error
+    against J-plain only says how differently two bf16 programs round
+    (different fusions and GEMM algorithms move it by ~5e-3). Remat keeps
+    its memory small, so it runs right after J-plain's timing in J-plain's
+    process.
+    """
+    from eae_jax.blocks import plain_stack
+
+    f32 = jnp.float32
+    p32 = jax.tree_util.tree_map(lambda a: a.astype(f32), params)
+    policy = jax.checkpoint_policies.nothing_saveable
+    with jax.default_matmul_precision("highest"):
+        step = jax.jit(lambda p, xx, yy: jax.value_and_grad(
+            lambda pp: mse(plain_stack(block, pp, xx, remat_policy=policy), yy))(p))
+        loss, grads = step(p32, x.astype(f32), y)
+        host = {}
+        for name, _ in bc.LEAVES:
+            mod, leaf = name.split(".")
+            host[name] = np.asarray(jax.device_get(grads[mod][leaf]), np.float32)
+    bc.save_reference(workdir, cfg, host, float(loss), tag=F32_TAG)
+    _log(f"float32 reference saved (loss {float(loss):.6f})")
 
 
 def _same_process_check(jax, jnp, eae_jax, block, variant, params_sds, x_sds, y_sds, params, x, y, mse, gflat,

@@ -49,14 +49,21 @@ def test_quantize_matches_numpy_cast_and_saturates(dtype, ml):
 
 @pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 2e-6), (jnp.bfloat16, 8e-3)])
 @pytest.mark.parametrize("per_row", [False, True])
-def test_fp8_linear_forward_matches_float64_reference(dtype, rtol, per_row):
+@pytest.mark.parametrize("weight_scaling", ["channel", "tensor"])
+def test_fp8_linear_forward_matches_float64_reference(dtype, rtol, per_row, weight_scaling):
     x = _rand(0, (24, 48), 2.0, dtype)
-    w = _rand(1, (40, 48), 0.1, dtype)
+    # output channels 15 binades apart: a per-tensor scale pushes the small
+    # ones into e4m3's subnormals, a per-channel one does not
+    w = (_rand(1, (40, 48), 0.1) * jnp.geomspace(1e-4, 3.0, 40)[:, None]).astype(dtype)
     xs = fp8.scale_from_amax(quant.row_amax(x)) if per_row else fp8.scale_from_amax(jnp.max(jnp.abs(x.astype(jnp.float32))))
-    y = fp8.fp8_linear(x, w, xs)
+    y = fp8.fp8_linear(x, w, xs, weight_scaling=weight_scaling)
     assert y.dtype == dtype and y.shape == (24, 40)
-    ref = quant.reference_linear(x, w, xs)
-    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+    ref = quant.reference_linear(x, w, xs, weight_scaling)
+    col_max = np.abs(ref).max(axis=0, keepdims=True)  # tolerance per output channel
+    other = quant.reference_linear(x, w, xs, {"channel": "tensor", "tensor": "channel"}[weight_scaling])
+    assert (np.abs(other - ref) / col_max).max() > 10 * rtol  # the two scalings are distinguishable
+    err = np.abs(np.asarray(y, np.float64) - ref) / col_max
+    assert err.max() <= 2 * rtol, err.max()
     # and it is an fp8 approximation of the real product, not the product itself
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     err = np.linalg.norm(np.asarray(y, np.float64) - exact) / np.linalg.norm(exact)
@@ -65,7 +72,8 @@ def test_fp8_linear_forward_matches_float64_reference(dtype, rtol, per_row):
 
 @pytest.mark.parametrize("rows", [(40,), (16, 24), (8, 16, 16)])
 @pytest.mark.parametrize("per_row", [False, True])
-def test_weight_blocks_are_their_concatenation_bit_for_bit(rows, per_row):
+@pytest.mark.parametrize("weight_scaling", ["channel", "tensor"])
+def test_weight_blocks_are_their_concatenation_bit_for_bit(rows, per_row, weight_scaling):
     # Row blocks (gate and up; q, k and v) are quantized apart and joined as
     # fp8 bytes: forward, dx and the blocks' gradients equal those of the
     # concatenated weight exactly, as every scale involved is per row of the
@@ -75,13 +83,15 @@ def test_weight_blocks_are_their_concatenation_bit_for_bit(rows, per_row):
     whole = jnp.concatenate(blocks, axis=0)
     xs = fp8.scale_from_amax(quant.row_amax(x)) if per_row else jnp.float32(0.02)
     g = _rand(3, (24, sum(rows)), 1e-2, jnp.bfloat16)
-    y_b, vjp_b = jax.vjp(lambda x_, ws: fp8.fp8_linear(x_, ws, xs), x, blocks)
-    y_w, vjp_w = jax.vjp(lambda x_, w_: fp8.fp8_linear(x_, w_, xs), x, whole)
+    y_b, vjp_b = jax.vjp(lambda x_, ws: fp8.fp8_linear(x_, ws, xs, weight_scaling=weight_scaling), x, blocks)
+    y_w, vjp_w = jax.vjp(lambda x_, w_: fp8.fp8_linear(x_, w_, xs, weight_scaling=weight_scaling), x, whole)
     np.testing.assert_array_equal(np.asarray(y_b, np.float32), np.asarray(y_w, np.float32))
     (dx_b, dws_b), (dx_w, dw_w) = vjp_b(g), vjp_w(g)
     np.testing.assert_array_equal(np.asarray(dx_b, np.float32), np.asarray(dx_w, np.float32))
     assert isinstance(dws_b, tuple) and [d.shape for d in dws_b] == [b.shape for b in blocks]
     np.testing.assert_array_equal(np.asarray(jnp.concatenate(dws_b), np.float32), np.asarray(dw_w, np.float32))
+    if weight_scaling == "tensor":
+        return  # one scale spans the blocks: they are joined as the quantizing pass's operand
     # the high-precision concatenation is never built
     jaxpr = jax.make_jaxpr(lambda x_, ws: jax.vjp(lambda a, b: fp8.fp8_linear(a, b, xs), x_, ws)[1](g))(x, blocks)
     concats = _concatenations(jaxpr.jaxpr)
@@ -140,6 +150,37 @@ def test_fp8_linear_backward_matches_reference_of_same_quantization(per_row):
                        (dw, np.asarray(g, np.float64).T @ np.asarray(x, np.float64))):
         got = np.asarray(got, np.float64)
         assert np.sum(exact * got) / np.linalg.norm(exact) / np.linalg.norm(got) > 0.99
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_per_tensor_weight_backward_reads_the_forward_fp8_weight(per_row):
+    # dgrad multiplies the e5m2 gradient with the forward's e4m3 weight (one
+    # scale), not with a requantization per input channel; wgrad as always.
+    x = _rand(0, (32, 48), 1.5)
+    w = _rand(1, (16, 48), 0.2) * jnp.linspace(0.1, 2.0, 48)[None, :]  # columns differ: the two dgrads differ
+    g = _rand(2, (32, 16), 1e-3)
+    xs = fp8.scale_from_amax(quant.row_amax(x)) if per_row else jnp.float32(0.01)
+    _, vjp = jax.vjp(lambda x, w: fp8.fp8_linear(x, w, xs, weight_scaling="tensor"), x, w)
+    dx, dw = vjp(g)
+    s_g = fp8.scale_from_amax(jnp.max(jnp.abs(g)), jnp.float8_e5m2)
+    gq = _q64(g, s_g, jnp.float8_e5m2)
+    s_w = fp8.scale_from_amax(jnp.max(jnp.abs(w)))
+    ref_dx = (gq @ _q64(w, s_w)) * float(s_g) * float(s_w)
+    np.testing.assert_allclose(np.asarray(dx), ref_dx, rtol=1e-5, atol=1e-9)
+    _, vjp_c = jax.vjp(lambda x, w: fp8.fp8_linear(x, w, xs), x, w)
+    dx_c, dw_c = vjp_c(g)
+    assert np.abs(np.asarray(dx_c) - ref_dx).max() > 1e-3 * np.abs(ref_dx).max()
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw_c))  # wgrad does not involve the weight
+    exact = np.asarray(g, np.float64) @ np.asarray(w, np.float64)
+    got = np.asarray(dx, np.float64)
+    assert np.sum(exact * got) / np.linalg.norm(exact) / np.linalg.norm(got) > 0.99
+
+
+def test_unknown_weight_scaling_is_refused():
+    with pytest.raises(ValueError, match="unknown weight_scaling 'row'.*channel.*tensor"):
+        fp8.fp8_linear(_rand(0, (4, 8)), _rand(1, (3, 8)), jnp.float32(1.0), weight_scaling="row")
+    with pytest.raises(ValueError, match="unknown weight_scaling"):
+        fp8.SeamConfig(weight_scaling="per-row")
 
 
 def test_frozen_weight_backward_folds_its_channel_scale_into_the_gradient():
@@ -297,13 +338,14 @@ def _dot_operand_types(text):
     return out
 
 
-def test_graph_multiplies_fp8_operands_forward_and_backward():
+@pytest.mark.parametrize("weight_scaling", ["channel", "tensor"])
+def test_graph_multiplies_fp8_operands_forward_and_backward(weight_scaling):
     """The seam's jaxpr/StableHLO has dot_generals whose operands ARE fp8 (not
     quantize -> dequantize -> bf16 dots), forward and backward."""
     p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16),
                                __import__("eae_jax").blocks.init_swiglu(jax.random.key(0), 64, 128))
     x = _rand(1, (32, 64), 1.0, jnp.bfloat16)
-    seam = fp8.ffn_seam(check_values=False)
+    seam = fp8.ffn_seam(check_values=False, weight_scaling=weight_scaling)
     state = fp8.init_state(seam, [0.01, 0.01])
 
     def loss(p, x):

@@ -43,10 +43,11 @@ def test_scales_are_percentile_of_sample_amax_over_448(percentile):
         np.testing.assert_allclose(bound.certification.amax, amax.max(axis=0), rtol=2e-5)
 
 
-def test_gate_passes_and_certifies():
+@pytest.mark.parametrize("weight_scaling", ["channel", "tensor"])
+def test_gate_passes_and_certifies(weight_scaling):
     p = _ffn_params(jnp.bfloat16)
     hs, res = _samples(3, jnp.bfloat16)
-    bound = fp8.bind(fp8.ffn_seam(), p, hs, residuals=res)
+    bound = fp8.bind(fp8.ffn_seam(weight_scaling=weight_scaling), p, hs, residuals=res)
     cert = bound.certification
     assert cert.seam == "ffn" and cert.kind == "swiglu"
     assert cert.dims == {"D": D, "F": F}
@@ -107,13 +108,15 @@ def test_frozen_weights_give_the_live_result():
                                   np.asarray(bound(bound.state, p, hs[0])))
 
 
-def test_fp8_numerics_match_float32_reference_of_same_quantization():
+@pytest.mark.parametrize("weight_scaling", ["channel", "tensor"])
+def test_fp8_numerics_match_float32_reference_of_same_quantization(weight_scaling):
     """The whole FFN seam against a numpy float64 re-implementation of the
-    same quantization steps (static scales, per-channel weight scales)."""
+    same quantization steps (static scales, per-channel or per-tensor weight
+    scales)."""
     p = _ffn_params()
     hs, _ = _samples(1)
     h = hs[0]
-    bound = fp8.bind(fp8.ffn_seam(), p, hs, gate_cos=0)
+    bound = fp8.bind(fp8.ffn_seam(weight_scaling=weight_scaling), p, hs, gate_cos=0)
     y = np.asarray(bound.fp8(p, h))
     sx, sh = [np.float32(s) for s in bound.certification.scales]
 
@@ -122,7 +125,10 @@ def test_fp8_numerics_match_float32_reference_of_same_quantization():
                           np.float64)
 
     def wq(w):
-        ws = np.asarray(fp8.scale_from_amax(jnp.max(jnp.abs(w), axis=1)))
+        if weight_scaling == "tensor":
+            ws = np.full((w.shape[0],), np.asarray(fp8.scale_from_amax(jnp.max(jnp.abs(w)))))
+        else:
+            ws = np.asarray(fp8.scale_from_amax(jnp.max(jnp.abs(w), axis=1)))
         return q(w, ws[:, None]), ws.astype(np.float64)
 
     w1 = np.concatenate([np.asarray(p["w_gate"]), np.asarray(p["w_up"])], 0)

@@ -3,7 +3,8 @@
 Everything a seam multiplies goes through `fp8_linear`:
 
 * forward: ``x`` (e4m3, one scale per tensor or per row) times ``w`` (e4m3,
-  one scale per output channel), both contracting on their last axis, with
+  one scale per output channel, or one per tensor: ``weight_scaling``),
+  both contracting on their last axis, with
   `jax.lax.dot_general` run directly on the ``float8_e4m3fn`` operands and a
   bf16/f16/f32 ``preferred_element_type``. The two scales are multiplied into
   the result afterwards. Both scale kinds factor out of the contraction
@@ -21,6 +22,16 @@ Everything a seam multiplies goes through `fp8_linear`:
   activations in wgrad, a frozen weight's output-channel scale in dgrad) is
   folded into the gradient before it is quantized (e5m2 has 30 binades of
   range, so that is free).
+
+Weight scaling (``weight_scaling``): ``'channel'`` (one scale per output
+channel; dgrad requantizes the weight per input channel from its
+high-precision copy) or ``'tensor'`` (one scale for the whole weight: one
+amax reduction and one quantizing pass per call, the scalar scale joins the
+activation's in the GEMM's output scaling, which XLA can fold into the
+cuBLASLt call instead of a pass over the output, and dgrad reads the
+forward's fp8 weight transposed instead of requantizing). Per-tensor weight
+scales are what Flax's and TransformerEngine's fp8 recipes use; per-channel
+ones resolve weights whose rows differ in magnitude better.
 
 Why operands are never dequantized before the dot: XLA folds
 ``quantize -> dequantize to bf16 -> dot`` back into a bf16 GEMM (the rounding
@@ -47,6 +58,9 @@ FP8_FORMATS = (E4M3, E5M2)
 
 #: Output dtypes the fp8 GEMM can write (cuBLASLt's fp8 kernels accept these).
 GEMM_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+#: How a live weight is scaled for the fp8 GEMM (see the module docstring).
+WEIGHT_SCALINGS = ("channel", "tensor")
 
 
 def fp8_max(dtype: Any) -> float:
@@ -183,8 +197,26 @@ def _e5m2_grad(g32: jax.Array, fold: jax.Array, bound: jax.Array):
 def _linear_fwd_math(x, xs, wq, ws, out_dtype, fast):
     xq = quantize(x, xs, E4M3)
     acc = fp8_matmul(xq, wq, gemm_out_dtype(out_dtype), precise=not fast)
-    y = (acc.astype(jnp.float32) * xs * ws[None, :]).astype(out_dtype)
+    # A scalar weight scale (per-tensor) multiplies like the activation's.
+    w_scale = ws if ws.ndim == 0 else ws[None, :]
+    y = (acc.astype(jnp.float32) * (xs * w_scale)).astype(out_dtype)
     return y, xq
+
+
+def quantize_weight_tensor(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
+    """``concatenate(ws)`` (row blocks of one ``(N, K)`` weight) quantized to
+    e4m3 with one per-tensor scale from its amax: ``scale`` is a float32
+    scalar. The concatenation is an operand of the quantizing elementwise
+    pass, which XLA fuses: only fp8 bytes are written.
+
+    Raises:
+      ValueError: a block is not 2-D.
+    """
+    if any(w.ndim != 2 for w in ws):
+        raise ValueError(f"a linear weight must be (out, in), got shapes {[w.shape for w in ws]}")
+    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=0)
+    scale = scale_from_amax(jnp.max(jnp.abs(w.astype(jnp.float32))), E4M3)
+    return Fp8Weight(quantize(w, scale, E4M3), scale)
 
 
 def quantize_weight_blocks(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
@@ -214,7 +246,7 @@ def _dgrad_weight(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
     return Fp8Weight(qs[0] if len(qs) == 1 else jnp.concatenate(qs, axis=1), scale)
 
 
-def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None):
+def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None, w_tensor=None):
     """dx (and dw when ``w_dtype`` is given) from the output gradient ``g``,
     and the observed ``amax(|g|)``.
 
@@ -226,6 +258,9 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None):
     for), else the float32 e5m2 scale to use (delayed scaling: the amax
     reduction no longer gates the quantization, so both can run in one
     pass over ``g``; values beyond the scale's range saturate).
+    ``w_tensor``: the forward's per-tensor-scaled `Fp8Weight` of the live
+    weight; dgrad then reads its fp8 bytes transposed instead of
+    requantizing ``w`` per input channel.
     """
     g32 = g.astype(jnp.float32)
     gmax = jnp.max(jnp.abs(g32))
@@ -250,9 +285,15 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None):
     # x scale into the result.
     gs = scale_from_amax(gmax, E5M2) if g_scale is None else g_scale
     gq = quantize(g32, gs, E5M2)
-    wt = _dgrad_weight(w)
-    dx = fp8_matmul(gq, wt.q, gemm_out_dtype(x_dtype), precise=not fast)
-    dx = (dx.astype(jnp.float32) * gs * wt.scale[None, :]).astype(x_dtype)
+    if w_tensor is None:
+        wt = _dgrad_weight(w)
+        dx = fp8_matmul(gq, wt.q, gemm_out_dtype(x_dtype), precise=not fast)
+        dx = (dx.astype(jnp.float32) * gs * wt.scale[None, :]).astype(x_dtype)
+    else:
+        # The scalar weight scale factors out of dgrad's contraction as it
+        # does out of the forward's: the same fp8 bytes, transposed.
+        dx = fp8_matmul(gq, w_tensor.q.T, gemm_out_dtype(x_dtype), precise=not fast)
+        dx = (dx.astype(jnp.float32) * (gs * w_tensor.scale)).astype(x_dtype)
     if per_tensor_x:
         gq_w, gs_w = gq, gs * xs
     else:
@@ -268,24 +309,32 @@ def _grad_scale_arg(gs, delayed):
     return gs if delayed and gs.shape != (0,) else None
 
 
+def _live_weight(ws, per_tensor):
+    return quantize_weight_tensor(ws) if per_tensor else quantize_weight_blocks(ws)
+
+
+# ``fast``: static flags (forward fast accumulation, backward fast
+# accumulation, delayed gradient scaling, per-tensor weight scaling).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _linear_live(x, ws, xs, gs, fast):
-    wq = quantize_weight_blocks(ws)
+    wq = _live_weight(ws, fast[3])
     return _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])[0]
 
 
 def _linear_live_fwd(x, ws, xs, gs, fast):
-    wq = quantize_weight_blocks(ws)
+    wq = _live_weight(ws, fast[3])
     y, xq = _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])
     # Residuals: the fp8 activations (half the bytes of bf16 ones), their
     # scale, the weight blocks themselves (primal inputs, so no copy), the
-    # delayed gradient scale and a zero-size carrier of the activation dtype.
-    return y, (xq, xs, ws, gs, jnp.zeros((0,), x.dtype))
+    # delayed gradient scale, a zero-size carrier of the activation dtype,
+    # and with per-tensor weight scaling the fp8 weight dgrad reads.
+    return y, (xq, xs, ws, gs, jnp.zeros((0,), x.dtype), wq if fast[3] else None)
 
 
 def _linear_live_bwd(fast, res, g):
-    xq, xs, ws, gs, xd = res
-    dx, dw, gmax = _linear_bwd_math(g, xq, xs, ws, xd.dtype, ws[0].dtype, fast[1], _grad_scale_arg(gs, fast[2]))
+    xq, xs, ws, gs, xd, wq = res
+    dx, dw, gmax = _linear_bwd_math(g, xq, xs, ws, xd.dtype, ws[0].dtype, fast[1], _grad_scale_arg(gs, fast[2]),
+                                    w_tensor=wq)
     rows = np.cumsum([w.shape[0] for w in ws])[:-1].tolist()
     return dx, tuple(jnp.split(dw, rows, axis=0)), jnp.zeros_like(xs), _observed(gs, gmax)
 
@@ -325,12 +374,12 @@ _linear_frozen.defvjp(_linear_frozen_fwd, _linear_frozen_bwd)
 
 def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weight], x_scale: jax.Array,
                fast_accum: Tuple[bool, bool] = (True, False), grad_scale: Any = None,
-               delayed_grad: bool = False) -> jax.Array:
+               delayed_grad: bool = False, weight_scaling: str = "channel") -> jax.Array:
     """``x @ w.T`` through an fp8 GEMM, differentiable with an fp8 backward.
 
     The forward quantizes ``x / x_scale`` to e4m3 and (for a live weight)
-    ``w`` per output channel to e4m3, runs `fp8_matmul` and multiplies both
-    scales into the result. The backward quantizes the output gradient to
+    ``w`` to e4m3, per output channel or per tensor (``weight_scaling``),
+    runs `fp8_matmul` and multiplies both scales into the result. The backward quantizes the output gradient to
     e5m2 with a current per-tensor scale and runs two more fp8 GEMMs (see
     the module docstring); the dgrad GEMM reads the weight requantized per
     input channel, so with a per-tensor ``x_scale`` one quantization of the
@@ -364,14 +413,17 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
       delayed_grad: quantize the output gradient with ``grad_scale``
         (magnitudes beyond ``grad_scale * 57344`` saturate) instead of a
         scale from its own amax.
+      weight_scaling: ``'channel'`` or ``'tensor'``: a live weight's e4m3
+        scales (module docstring). An `Fp8Weight` keeps the scales it was
+        quantized with.
 
     Returns:
       ``(M, N)`` in ``x.dtype``.
 
     Raises:
       ValueError: shapes that do not fit (or weight blocks that differ in
-        input width or dtype), or an ``x_scale`` / ``grad_scale`` of
-        another shape.
+        input width or dtype), an ``x_scale`` / ``grad_scale`` of another
+        shape, or an unknown ``weight_scaling``.
     """
     if x.ndim != 2:
         raise ValueError(f"fp8_linear expects 2-D activations (M, K), got shape {x.shape}")
@@ -386,8 +438,11 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
     x_scale = jnp.asarray(x_scale, jnp.float32)
     if x_scale.shape not in ((), (x.shape[0], 1)):
         raise ValueError(f"x_scale must be a scalar or ({x.shape[0]}, 1), got shape {x_scale.shape}")
-    # Static flags of the custom VJPs: forward / backward fast accumulation, delayed gradient scaling.
-    fast = (bool(fast_accum[0]), bool(fast_accum[1]), bool(delayed_grad))
+    if weight_scaling not in WEIGHT_SCALINGS:
+        raise ValueError(f"unknown weight_scaling {weight_scaling!r}; expected one of {WEIGHT_SCALINGS}")
+    # Static flags of the custom VJPs: forward / backward fast accumulation,
+    # delayed gradient scaling, per-tensor weight scaling.
+    fast = (bool(fast_accum[0]), bool(fast_accum[1]), bool(delayed_grad), weight_scaling == "tensor")
     if grad_scale is None:
         if delayed_grad:
             raise ValueError("delayed_grad needs a grad_scale")
@@ -401,11 +456,17 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
     return _linear_live(x, blocks, x_scale, gs, fast)
 
 
-def reference_linear(x: jax.Array, w: jax.Array, x_scale: jax.Array) -> np.ndarray:
+def reference_linear(x: jax.Array, w: jax.Array, x_scale: jax.Array, weight_scaling: str = "channel") -> np.ndarray:
     """Reference of `fp8_linear`'s forward for tests: the same quantization of
     both operands, then products and sums in float64 numpy. Returns float64."""
-    ws = scale_from_amax(row_amax(w)[:, 0], E4M3)
+    if weight_scaling == "tensor":
+        ws = scale_from_amax(jnp.max(jnp.abs(w.astype(jnp.float32))), E4M3)
+        ws_col = ws
+    else:
+        ws = scale_from_amax(row_amax(w)[:, 0], E4M3)
+        ws_col = ws[:, None]
     xq = np.asarray(quantize(x, x_scale, E4M3).astype(jnp.float32), np.float64)
-    wq = np.asarray(quantize(w, ws[:, None], E4M3).astype(jnp.float32), np.float64)
+    wq = np.asarray(quantize(w, ws_col, E4M3).astype(jnp.float32), np.float64)
     xs = np.asarray(jnp.asarray(x_scale, jnp.float32), np.float64)
-    return (xq @ wq.T) * xs * np.asarray(ws, np.float64)[None, :]
+    w_out = np.asarray(ws, np.float64) if np.ndim(ws) == 0 else np.asarray(ws, np.float64)[None, :]
+    return (xq @ wq.T) * xs * w_out

@@ -49,7 +49,17 @@ from eae_jax.blocks.linear import linear
 from eae_jax.blocks.swiglu import swiglu
 from eae_jax.fp8 import ledger as ledger_lib
 from eae_jax.fp8.guards import Contract, GuardRefused, trace_check, value_stats
-from eae_jax.fp8.quant import E4M3, E5M2, fp8_linear, fp8_max, quantize_weight_blocks, row_amax, scale_from_amax
+from eae_jax.fp8.quant import (
+    E4M3,
+    E5M2,
+    WEIGHT_SCALINGS,
+    Fp8Weight,
+    fp8_linear,
+    fp8_max,
+    quantize_weight_blocks,
+    row_amax,
+    scale_from_amax,
+)
 
 SCALINGS = ("static", "delayed", "row")
 GRAD_SCALINGS = ("current", "delayed")
@@ -105,6 +115,11 @@ class SeamConfig:
       grad_margin: headroom of delayed gradient scales, in powers of two
         (a gradient that grew by more than that since the last step
         saturates; `fold_state` counts it in ``grad_clipped``).
+      weight_scaling: ``'channel'`` (one e4m3 scale per output channel of
+        each live weight) or ``'tensor'`` (one per weight: a cheaper
+        quantization, a scalar output scale, and dgrad reads the forward's
+        fp8 weight transposed; see `eae_jax.fp8.quant`). Frozen weights
+        (`freeze`) are quantized per channel either way.
     """
 
     act_scaling: str = "static"
@@ -124,12 +139,15 @@ class SeamConfig:
     fast_accum_bwd: bool = False
     grad_scaling: str = "current"
     grad_margin: float = 2.0
+    weight_scaling: str = "channel"
 
     def __post_init__(self):
         if self.act_scaling not in SCALINGS:
             raise ValueError(f"unknown act_scaling {self.act_scaling!r}; expected one of {SCALINGS}")
         if self.grad_scaling not in GRAD_SCALINGS:
             raise ValueError(f"unknown grad_scaling {self.grad_scaling!r}; expected one of {GRAD_SCALINGS}")
+        if self.weight_scaling not in WEIGHT_SCALINGS:
+            raise ValueError(f"unknown weight_scaling {self.weight_scaling!r}; expected one of {WEIGHT_SCALINGS}")
         if not 0.0 <= self.grad_margin <= 16.0:
             raise ValueError(f"grad_margin must be in [0, 16] binades, got {self.grad_margin}")
         if not 0.0 <= self.saturation_threshold < 1.0:
@@ -364,16 +382,19 @@ def _fast(seam: Seam) -> Tuple[bool, bool]:
     return (seam.config.fast_accum_fwd, seam.config.fast_accum_bwd)
 
 
-def _grad_kw(seam: Seam, grad_scales, i: int) -> dict:
-    """`fp8_linear`'s gradient-scale arguments for GEMM ``i`` (none without
-    ``grad_scales``: current scaling, nothing observed)."""
+def _scale_kw(seam: Seam, grad_scales, i: int, group) -> dict:
+    """`fp8_linear`'s scale arguments for GEMM ``i``: gradient scales (none
+    without ``grad_scales``: current scaling, nothing observed) and, for a
+    live weight ``group``, the config's weight scaling."""
+    kw = {} if isinstance(group, Fp8Weight) else {"weight_scaling": seam.config.weight_scaling}
     if grad_scales is None:
-        return {}
-    return {"grad_scale": grad_scales[i], "delayed_grad": seam.config.grad_scaling == "delayed"}
+        return kw
+    return {**kw, "grad_scale": grad_scales[i], "delayed_grad": seam.config.grad_scaling == "delayed"}
 
 
 def _first_gemm(seam, groups, x2, scales, grad_scales=None):
-    a = fp8_linear(x2, groups[0], _act_scale(seam, x2, scales[0]), _fast(seam), **_grad_kw(seam, grad_scales, 0))
+    a = fp8_linear(x2, groups[0], _act_scale(seam, x2, scales[0]), _fast(seam),
+                   **_scale_kw(seam, grad_scales, 0, groups[0]))
     if seam.kind == "dense":
         return a
     f = a.shape[-1] // 2
@@ -384,7 +405,8 @@ def _first_gemm(seam, groups, x2, scales, grad_scales=None):
 
 
 def _second_gemm(seam, groups, h, scales, grad_scales=None):
-    return fp8_linear(h, groups[1], _act_scale(seam, h, scales[1]), _fast(seam), **_grad_kw(seam, grad_scales, 1))
+    return fp8_linear(h, groups[1], _act_scale(seam, h, scales[1]), _fast(seam),
+                      **_scale_kw(seam, grad_scales, 1, groups[1]))
 
 
 def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array,

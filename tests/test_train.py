@@ -126,11 +126,13 @@ def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path):
     # The default: the step guard with delayed gradient scaling.
     assert (TrainConfig().fp8_fallback, TrainConfig().fp8_grad_scaling) == ("step", "delayed")
     assert f8["fp8"]["grad_scaling"] == "delayed" and f8["fp8"]["grad_clipped"] == 0
-    # Falling back per seam call with current gradient scaling counts the
-    # same calls and trains like it.
+    assert f8["fp8"]["weight_scaling"] == ["channel"]
+    # Falling back per seam call with current gradient scaling and per-tensor
+    # weight scales counts the same calls and trains like it.
     cur = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="seam", fp8_grad_scaling="current",
-                            out=str(tmp_path / "fp8c"), **base), log_fn=quiet)
+                            fp8_weight_scaling="tensor", out=str(tmp_path / "fp8c"), **base), log_fn=quiet)
     assert cur["fp8"]["calls"] == f8["fp8"]["calls"] and cur["fp8"]["grad_scaling"] == "current"
+    assert cur["fp8"]["weight_scaling"] == ["tensor"]
     assert cur["final_loss"] != f8["final_loss"]  # the gradient scales really differ
     assert abs(cur["final_loss"] - f8["final_loss"]) / f8["final_loss"] < 0.02
     # Delayed gradient scaling with the block guard: the first step observes
@@ -166,6 +168,8 @@ def test_bad_config_errors():
         TrainConfig(dtype="fp8_e4m3", fp8_fallback="layer")
     with pytest.raises(ValueError, match="unknown fp8_grad_scaling 'late'; valid: current, delayed"):
         TrainConfig(dtype="fp8_e4m3", fp8_grad_scaling="late")
+    with pytest.raises(ValueError, match="unknown fp8_weight_scaling 'row'; valid: channel, tensor"):
+        TrainConfig(dtype="fp8_e4m3", fp8_weight_scaling="row")
     with pytest.raises(ValueError, match="unknown pass 'int4'"):
         from eae_jax.train import parse_passes
         parse_passes("int8,int4")

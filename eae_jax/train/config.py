@@ -94,6 +94,7 @@ class TrainConfig:
     # The fastest guarded fp8 training on the H200 (README, "fp8 seams").
     fp8_fallback: str = "step"
     fp8_grad_scaling: str = "delayed"
+    fp8_weight_scaling: str = "channel"
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -112,6 +113,8 @@ class TrainConfig:
             raise ValueError(f"unknown fp8_fallback {self.fp8_fallback!r}; valid: seam, block, step")
         if self.fp8_grad_scaling not in ("current", "delayed"):
             raise ValueError(f"unknown fp8_grad_scaling {self.fp8_grad_scaling!r}; valid: current, delayed")
+        if self.fp8_weight_scaling not in ("channel", "tensor"):
+            raise ValueError(f"unknown fp8_weight_scaling {self.fp8_weight_scaling!r}; valid: channel, tensor")
         if self.fp8:
             from eae_jax.fp8 import policy_seams
 

@@ -61,7 +61,8 @@ def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array):
 
     tokens = synthetic_batch(key, cfg.batch // cfg.microbatches, cfg.seq_len, model.vocab_size)[:, :-1]
     x0 = embed(params["embed"], tokens, model.block.compute_dtype)
-    seams = fp8.policy_seams(cfg.policy_obj, config=fp8.SeamConfig(act_scaling=cfg.fp8_scaling))
+    seams = fp8.policy_seams(cfg.policy_obj, config=fp8.SeamConfig(act_scaling=cfg.fp8_scaling,
+                                                                           weight_scaling=cfg.fp8_weight_scaling))
     return fp8.bind_block(model.block, params["blocks"], [x0], seams, fallback=cfg.fp8_fallback)
 
 
@@ -323,6 +324,7 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
                           "fallbacks": sum(r["fallbacks"] for r in report),
                           "grad_clipped": sum(sum(r.get("grad_clipped", [])) for r in report),
                           "grad_scaling": grad_scaling,
+                          "weight_scaling": sorted({sm.config.weight_scaling for sm in bound_fp8.seams.values()}),
                           "detached": [r["seam"] for r in report if r["detached"]],
                           "gate_worst_cos": min(c["worst_cos"] for c in bound_fp8.certification.values())}
     return summary

@@ -327,13 +327,15 @@ def ffn_section(args) -> List[Dict[str, Any]]:
         rows[-1]["fb_tflops"] = 3 * flops / bf_fb["median_ms"] / 1e9
 
         # --- ours
-        for mode, guarded, fast_bwd, delayed in (("static", True, False, False), ("static", False, False, False),
-                                                 ("static", True, False, True), ("static", False, False, True),
-                                                 ("row", True, False, False), ("static", True, True, False)):
+        for mode, guarded, fast_bwd, delayed, wscale in (
+                ("static", True, False, False, "channel"), ("static", False, False, False, "channel"),
+                ("static", True, False, True, "channel"), ("static", False, False, True, "channel"),
+                ("static", True, False, True, "tensor"), ("static", False, False, True, "tensor"),
+                ("row", True, False, False, "channel"), ("static", True, True, False, "channel")):
             seam = fp8.ffn_seam(act_scaling=mode, check_values=guarded, fast_accum_bwd=fast_bwd,
-                                grad_scaling="delayed" if delayed else "current")
+                                grad_scaling="delayed" if delayed else "current", weight_scaling=wscale)
             name = (f"eae fp8 {mode}" + ("" if guarded else " unguarded") + (" fast-accum bwd" if fast_bwd else "")
-                    + (" delayed grads" if delayed else ""))
+                    + (" delayed grads" if delayed else "") + (" tensor-w" if wscale == "tensor" else ""))
             try:
                 bound = fp8.bind(seam, pb, [c[1] for c in cal], residuals=[c[0] for c in cal])
             except fp8.GateRefused as err:
@@ -479,13 +481,15 @@ GRAPH_CONDS = {"xla_gpu_enable_command_buffer":
 
 
 def _guard_spec(spec: str) -> tuple:
-    """``'block+graphs'`` -> ``('block', GRAPH_CONDS, False)``; ``'off+delayed'``
-    -> ``('off', None, True)`` (delayed gradient scaling); raises ValueError
-    for an unknown guard or suffix."""
+    """``'block+graphs'`` -> ``('block', GRAPH_CONDS, False, False)``;
+    ``'off+delayed'`` -> ``('off', None, True, False)`` (delayed gradient
+    scaling); ``'+tensorw'`` sets the last (per-tensor weight scales); raises
+    ValueError for an unknown guard or suffix."""
     guard, *extras = spec.split("+")
-    if guard not in GUARDS or any(e not in ("graphs", "delayed") for e in extras) or len(set(extras)) != len(extras):
+    if (guard not in GUARDS or any(e not in ("graphs", "delayed", "tensorw") for e in extras)
+            or len(set(extras)) != len(extras)):
         raise ValueError(spec)
-    return guard, (GRAPH_CONDS if "graphs" in extras else None), "delayed" in extras
+    return guard, (GRAPH_CONDS if "graphs" in extras else None), "delayed" in extras, "tensorw" in extras
 
 
 def guard_variant(bound: "fp8.BoundBlock", guard: str) -> "fp8.BoundBlock":
@@ -527,6 +531,11 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
                          "the gradient scales it starts from")
     variants = {spec: guard_variant(bound, _guard_spec(spec)[0]).with_grad_scaling(
         "delayed" if _guard_spec(spec)[2] else "current") for spec in specs}
+    # '+tensorw': the same activation scales with per-tensor weight scales
+    # (the gate above ran with per-channel ones; bench_fp8 --ffn gates both).
+    variants = {spec: b if not _guard_spec(spec)[3] else dataclasses.replace(
+        b, seams={n: sm.replace(weight_scaling="tensor") for n, sm in b.seams.items()})
+        for spec, b in variants.items()}
 
     stack = eae_jax.reconstruct(decoder_block(cfg))
 
@@ -743,7 +752,8 @@ def main(argv=None) -> Dict[str, Any]:
                          "blocks: the step decides, a failed one is dropped), 'off' (no in-graph checks); "
                          "'<guard>+graphs' compiles it with conditionals and loops inside CUDA graphs; "
                          "'<guard>+delayed' scales output gradients from the amax observed in the previous "
-                         "step (delayed scaling; needs a current-scaling variant in the list)")
+                         "step (delayed scaling; needs a current-scaling variant in the list); "
+                         "'<guard>+tensorw' uses per-tensor weight scales")
     ap.add_argument("--train-scaling", default="delayed", choices=fp8.seams.SCALINGS,
                     help="activation scaling for the training run (delayed follows drifting activations)")
     ap.add_argument("--train-steps", type=int, default=300)
@@ -769,7 +779,8 @@ def main(argv=None) -> Dict[str, Any]:
             unknown.append(g)
     if unknown or not args.guards:
         ap.error(f"--guards: unknown {unknown}; expected a comma list of {GUARDS}, each optionally "
-                 "with '+graphs' (conditionals inside CUDA graphs) and/or '+delayed' (delayed gradient scaling)")
+                 "with '+graphs' (conditionals inside CUDA graphs), '+delayed' (delayed gradient scaling) "
+                 "and/or '+tensorw' (per-tensor weight scales)")
     if args.warmup is None:
         args.warmup = 1 if args.smoke else 3
     if args.iters is None:

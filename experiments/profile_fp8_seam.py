@@ -23,12 +23,16 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
 * ``raw-current`` / ``raw-delayed``: the bare FFN through `eae_jax.fp8.fp8_linear`
   (no seam, no checks) with current / delayed scaling of the output
   gradients (delayed scales from one observed backward, 1 binade margin).
+* ``raw-tensorw`` / ``raw-tensorw-delayed``: the same with per-tensor
+  weight scales (``weight_scaling='tensor'``).
 * ``raw-frozen``: the same forward with weights quantized once
   (`eae_jax.fp8.quantize_weight`, inference): no per-call weight work.
 * ``raw-split`` / ``raw-split-delayed``: the same with gate and up as two
   GEMMs instead of one over their fp8 concatenation.
 * ``eae``: `eae_jax.fp8` FFN seam, static scales, guards on.
 * ``eae-unguarded``: the same with ``check_values=False``.
+* ``eae-tensorw`` / ``eae-tensorw-unguarded``: both with per-tensor weight
+  scales.
 * ``flax``: ``flax.linen.Fp8DirectDotGeneralOp`` SwiGLU (when flax has it).
 
 Output: one table per variant (top kernels, microseconds per iteration) and
@@ -158,13 +162,14 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     xs = fp8.scale_from_amax(jnp.max(jnp.abs(x.astype(jnp.float32))))
     hs = fp8.seams.amax_points(fp8.ffn_seam(), pb, x)[1] / 448.0
 
-    def raw_ffn(p, x_, gscales, delayed=True):
+    def raw_ffn(p, x_, gscales, delayed=True, weight_scaling="channel"):
         d = gscales is not None and delayed
         a = fp8.fp8_linear(x_, (p["w_gate"], p["w_up"]), xs, grad_scale=None if gscales is None else gscales[0],
-                           delayed_grad=d)
+                           delayed_grad=d, weight_scaling=weight_scaling)
         g, u = a[:, :f], a[:, f:]
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
-        return fp8.fp8_linear(h, p["w_down"], hs, grad_scale=None if gscales is None else gscales[1], delayed_grad=d)
+        return fp8.fp8_linear(h, p["w_down"], hs, grad_scale=None if gscales is None else gscales[1], delayed_grad=d,
+                              weight_scaling=weight_scaling)
 
     def raw_split(p, x_, gscales, delayed=True):
         # gate and up as two GEMMs: no fp8 concatenation of their weights in
@@ -183,6 +188,10 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     out.append(("raw-current", lambda p, x_: raw_ffn(p, x_, None), fb_of(lambda p, x_: raw_ffn(p, x_, None)), pb))
     out.append(("raw-delayed", lambda p, x_: raw_ffn(p, x_, gscales), fb_of(lambda p, x_: raw_ffn(p, x_, gscales)),
                 pb))
+    # Per-tensor weight scales (weight_scaling='tensor').
+    for label, gsc in (("raw-tensorw", None), ("raw-tensorw-delayed", gscales)):
+        fn = (lambda g_: lambda p, x_: raw_ffn(p, x_, g_, weight_scaling="tensor"))(gsc)
+        out.append((label, fn, fb_of(fn), pb))
     # Weights quantized once (inference): the forward without per-call
     # weight quantization; its backward computes dx only.
     frozen = (fp8.quant.quantize_weight_blocks((pb["w_gate"], pb["w_up"])), fp8.quantize_weight(pb["w_down"]))
@@ -197,8 +206,9 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     out.append(("raw-split", lambda p, x_: raw_split(p, x_, None), fb_of(lambda p, x_: raw_split(p, x_, None)), pb))
     out.append(("raw-split-delayed", lambda p, x_: raw_split(p, x_, gscales),
                 fb_of(lambda p, x_: raw_split(p, x_, gscales)), pb))
-    for label, guarded in (("eae", True), ("eae-unguarded", False)):
-        seam = fp8.ffn_seam(check_values=guarded)
+    for label, guarded, wscale in (("eae", True, "channel"), ("eae-unguarded", False, "channel"),
+                                   ("eae-tensorw", True, "tensor"), ("eae-tensorw-unguarded", False, "tensor")):
+        seam = fp8.ffn_seam(check_values=guarded, weight_scaling=wscale)
         bound = fp8.bind(seam, pb, cal, residuals=resid)
         st = bound.state
         fwd = (lambda s: lambda p, x_: fp8.apply_with_ledger(seam, s, p, x_)[0])(st)

@@ -34,6 +34,10 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
     assert ours["fwd"]["lowered_fp8_dots"] == 2 and ours["fb"]["lowered_fp8_dots"] == 6
     assert ours["fp8_calls_fwd"] == 1.0 and ours["fp8_calls_fb"] == 1.0
     assert ours["fwd"]["median_ms"] > 0 and ours["fb"]["median_ms"] > 0
+    for name in ("eae fp8 static delayed grads tensor-w", "eae fp8 static unguarded delayed grads tensor-w"):
+        tw = variants[name]  # per-tensor weight scales: same GEMM count, same accuracy class
+        assert tw["fwd"]["lowered_fp8_dots"] == 2 and tw["fb"]["lowered_fp8_dots"] == 6, name
+        assert 0.99 < tw["cos_bare"] < 1.0 and tw["cos_boundary"] > 0.999, name
     (e2e,) = res["e2e"]
     assert "error" not in e2e, e2e
     assert e2e["gate_worst_cos"] >= 0.999 and set(e2e["variants"]) == {"seam", "block", "off"}

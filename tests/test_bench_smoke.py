@@ -118,6 +118,17 @@ def test_bench_smoke_end_to_end(tmp_path):
     for key in [("sweep-d1", "J-plain"), ("sweep-d2", "J-plain"), ("sweep-d1", "eae"), ("sweep-d2", "J-remat")]:
         assert rows[key]["status"] == "ok", (key, rows[key].get("error"))
     assert doc["sweep"]["variants"]["J-plain"]["depth"] == [1, 2]
+    # no child was timed while another one compiled (a compile takes host
+    # cores and memory bandwidth from the timed step)
+    timed = [row for row in doc["rows"] if row.get("measure_window")]
+    assert len(timed) >= len(SMOKE_VARIANTS.split(","))
+    for a in timed:
+        m0, m1 = a["measure_window"]
+        for b in doc["rows"]:
+            if b is not a and b.get("prep_window"):
+                p0, p1 = b["prep_window"]
+                assert m1 <= p0 or p1 <= m0, ("timed during a compile", a["config"], a["variant"],
+                                              b["config"], b["variant"])
 
     names = {c["name"]: c for c in doc["targets"]["medium"]}
     assert names["eae-passes time / eae time"]["value"] > 0

@@ -307,15 +307,23 @@ class Reconstructed:
             stored = offload_lib.to_device(stored)
         return stored.astype(spec.dtype)
 
-    def _prefetches(self, seg: _Segment, n: int) -> bool:
-        """Whether a scanned segment's backward loads boundaries one block ahead.
+    #: Whether an offloaded scan's backward loads boundaries one block ahead
+    #: (`_prefetch_scan`). Off: on the H200 (jax 0.11.2, medium stack, same
+    #: run) the scan with the prefetch took 113.1 ms, the one loading each
+    #: boundary in its own iteration 110.2 ms and one boundary less memory:
+    #: XLA lowers both copies to slices of the one stacked host buffer, which
+    #: do not overlap the loop's compute either way. The ``'unrolled'``
+    #: schedule is the one whose copies overlap. Kept as a switch for
+    #: `experiments/bench_stack.py`'s ``eae-offload-prefetch`` diagnostic.
+    _offload_prefetch = False
 
-        Only offloaded, boundary-only storage needs it: the host-to-device
-        copy of boundary i-1 is issued while block i recomputes and takes its
-        VJP, so nothing in that iteration waits on it and XLA can overlap the
-        transfer with compute (costing one extra boundary of device memory).
-        """
-        return self.offload and self.policy is None and seg.scanned and n >= 2
+    def _prefetches(self, seg: _Segment, n: int) -> bool:
+        """Whether a scanned segment's backward loads boundaries one block ahead:
+        the host-to-device copy of boundary i-1 issued while block i
+        recomputes and takes its VJP (nothing in that iteration waits on it;
+        one extra boundary of device memory). Offloaded boundary-only
+        storage only, and only with ``_offload_prefetch``."""
+        return self._offload_prefetch and self.offload and self.policy is None and seg.scanned and n >= 2
 
     def _block_forward(self, seg, p, h, side, layouts):
         """Run one block forward; return (output, residuals for its backward)."""
@@ -690,12 +698,13 @@ def reconstruct(
         block from the rounded boundary.
       offload: keep the stored boundaries in pinned host memory (boundary-only
         storage, ``policy=None``; a policy's kept internals stay on device).
-        The backward of a scanned run copies boundary i-1 back while block i
-        runs, so about two boundaries are on device at a time. True or
-        ``'scan'``: scanned runs stay scans, their boundaries one stacked
-        host array; ``'unrolled'``: scanned runs are unrolled block by block
-        so that each boundary is its own host array and each copy an
-        independent transfer (compile time grows with depth).
+        True or ``'scan'``: scanned runs stay scans, their boundaries one
+        stacked host array, each iteration of the backward copying its own
+        boundary back (at most two boundaries on the device); ``'unrolled'``:
+        scanned runs are unrolled block by block so that each boundary is
+        its own host array and each copy an independent transfer, the copy
+        of boundary i-1 overlapping block i's backward (faster on the H200;
+        compile time grows with depth).
       policy: None/``'boundaries'`` (keep only boundaries), ``'dots'``,
         ``'dots_all'``, ``'everything'``, or a `jax.checkpoint_policies`
         callable: which block internals the forward also keeps so the

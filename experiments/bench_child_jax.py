@@ -50,7 +50,7 @@ def _wait_for_go(spec) -> None:
 # Which variants leave their gradients for others, and who compares with whom
 # (besides J-plain, the reference for every variant).
 WRITES_REFERENCE = ("J-plain", "eae")
-COMPARES_WITH = {"eae-offload": ("eae",), "eae-offload-unrolled": ("eae",), "eae-offload-sync": ("eae",), "eae-passes": ("eae",), "eae-dots": ("eae",)}
+COMPARES_WITH = {"eae-offload": ("eae",), "eae-offload-unrolled": ("eae",), "eae-offload-prefetch": ("eae",), "eae-passes": ("eae",), "eae-dots": ("eae",)}
 
 
 def _compare(jax, jnp, ref, gflat):
@@ -155,10 +155,10 @@ def main(spec_path: str) -> None:
         stack = eae_jax.reconstruct(block, passes=passes, boundary_dtype=variant.get("boundary_dtype"),
                                     offload=variant.get("offload", False), policy=variant.get("policy"),
                                     boundaries_in_grads=variant.get("boundaries_in_grads", True))
-        if variant.get("no_prefetch"):
-            # Bench-only diagnostic: shadow the private switch so the reverse
-            # scan loads each boundary inside its own iteration.
-            stack._prefetches = lambda seg, n: False
+        if variant.get("prefetch"):
+            # Bench-only diagnostic: the private switch that makes the reverse
+            # scan load boundary i-1 while block i runs.
+            stack._offload_prefetch = True
         state = stack.init(params_sds, x_sds, jax.random.key(0))
 
         def step(p, carry, x, y):

@@ -165,13 +165,14 @@ VARIANTS: Dict[str, dict] = {
                      "doc": "same fp32-master model, boundaries stored in bf16 (boundary_dtype), kept apart "
                             "from the gradient buffers"},
     "eae-offload": {"kind": "jax", "mode": "eae", "offload": True,
-                    "doc": "reconstruct, boundaries in pinned host memory, prefetched one block ahead"},
+                    "doc": "reconstruct, boundaries in pinned host memory (the scan schedule: each backward "
+                           "iteration copies its own boundary back)"},
     "eae-offload-unrolled": {"kind": "jax", "mode": "eae", "offload": "unrolled",
                              "doc": "eae-offload with the scanned run unrolled block by block: each boundary "
                                     "its own host array, each copy an independent transfer"},
-    "eae-offload-sync": {"kind": "jax", "mode": "eae", "offload": True, "no_prefetch": True,
-                         "doc": "diagnostic: eae-offload with the one-ahead prefetch switched off (each "
-                                "iteration waits for its own boundary), to show what the prefetch buys"},
+    "eae-offload-prefetch": {"kind": "jax", "mode": "eae", "offload": True, "prefetch": True,
+                             "doc": "diagnostic: eae-offload whose reverse scan copies boundary i-1 back while "
+                                    "block i runs (one block ahead), to show what that prefetch buys"},
     "eae-dots": {"kind": "jax", "mode": "eae", "policy": "dots",
                  "doc": "reconstruct, policy='dots': also keep weight-matmul outputs"},
     "T-plain": {"kind": "torch", "mode": "plain", "doc": "PyTorch autograd over PreNormTransformerBlock (bf16)"},
@@ -180,9 +181,11 @@ VARIANTS: Dict[str, dict] = {
 }
 
 DEFAULT_VARIANTS = {
-    # eae-offload-unrolled is asked for by name (--variants): it compiles 3x longer.
-    "medium": [v for v in VARIANTS if v != "eae-offload-unrolled"],
-    "deep": ["J-plain", "J-remat", "eae", "eae-passes", "eae-offload", "eae-dots", "T-ckpt", "T-eae"],
+    # Both offload schedules: the scan (default, compiles in constant time)
+    # and the unrolled one (compile time grows with depth, faster step).
+    "medium": list(VARIANTS),
+    "deep": ["J-plain", "J-remat", "eae", "eae-passes", "eae-offload", "eae-offload-unrolled", "eae-dots",
+             "T-ckpt", "T-eae"],
     "sweep": ["J-plain", "J-remat", "eae"],
 }
 

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     print(f"stories260K: {cfg.depth} layers, dim {cfg.dim}, ffn {cfg.block.ffn_hidden_dim}; "
           f"calibration: {tokens.shape[1]} greedy tokens from BOS")
 
-    results = {"model": os.path.abspath(args.model), "tokens": int(tokens.shape[1]), "seams": {}}
+    results = {"model": os.path.basename(args.model), "tokens": int(tokens.shape[1]), "seams": {}}
     for scaling in ("channel", "tensor"):
         seams = fp8.block_seams(config=fp8.SeamConfig(weight_scaling=scaling))
         bound = fp8.bind_block(cfg.block, params["blocks"], [x0], seams, gate_cos=0.0)

@@ -26,10 +26,9 @@ Everything a seam multiplies goes through `fp8_linear`:
 Weight scaling (``weight_scaling``): ``'channel'`` (one scale per output
 channel; dgrad requantizes the weight per input channel from its
 high-precision copy) or ``'tensor'`` (one scale for the whole weight: one
-amax reduction and one quantizing pass per call, the scalar scale joins the
-activation's in the GEMM's output scaling, which XLA can fold into the
-cuBLASLt call instead of a pass over the output, and dgrad reads the
-forward's fp8 weight transposed instead of requantizing). Per-tensor weight
+amax reduction and one quantizing pass per call, a scalar output scale
+instead of a per-column vector, and dgrad reads the forward's fp8 weight
+transposed instead of requantizing). Per-tensor weight
 scales are what Flax's and TransformerEngine's fp8 recipes use; per-channel
 ones resolve weights whose rows differ in magnitude better.
 
@@ -206,8 +205,9 @@ def _linear_fwd_math(x, xs, wq, ws, out_dtype, fast):
 def quantize_weight_tensor(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
     """``concatenate(ws)`` (row blocks of one ``(N, K)`` weight) quantized to
     e4m3 with one per-tensor scale from its amax: ``scale`` is a float32
-    scalar. The concatenation is an operand of the quantizing elementwise
-    pass, which XLA fuses: only fp8 bytes are written.
+    scalar. The concatenation only feeds the amax reduction and the
+    quantizing elementwise pass, so XLA can fuse it into both (whether it
+    does is the backend's choice) instead of writing it out.
 
     Raises:
       ValueError: a block is not 2-D.
@@ -379,11 +379,12 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
 
     The forward quantizes ``x / x_scale`` to e4m3 and (for a live weight)
     ``w`` to e4m3, per output channel or per tensor (``weight_scaling``),
-    runs `fp8_matmul` and multiplies both scales into the result. The backward quantizes the output gradient to
-    e5m2 with a current per-tensor scale and runs two more fp8 GEMMs (see
-    the module docstring); the dgrad GEMM reads the weight requantized per
-    input channel, so with a per-tensor ``x_scale`` one quantization of the
-    gradient serves both GEMMs. ``x_scale`` gets a zero cotangent (scales are
+    runs `fp8_matmul` and multiplies both scales into the result. The
+    backward quantizes the output gradient to e5m2 with a current per-tensor
+    scale and runs two more fp8 GEMMs (see the module docstring); the dgrad
+    GEMM reads the weight requantized per input channel (per-channel
+    scaling) or the forward's fp8 weight (per-tensor), so with a per-tensor
+    ``x_scale`` one quantization of the gradient serves both GEMMs. ``x_scale`` gets a zero cotangent (scales are
     calibrated, not trained); a live weight gets the straight-through
     gradient ``g^T x``; an `Fp8Weight` gets zeros.
 

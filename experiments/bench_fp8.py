@@ -319,6 +319,8 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                 r["grad_cos_dw_min"] = min(cos(grads_w[k], g_bf[0][k]) for k in ("w_gate", "w_up", "w_down"))
             r.update(extra or {})
             rows.append(r)
+            if getattr(args, "progress", None):
+                args.progress("ffn", rows)  # a later timeout keeps what was measured
 
         log(f"  bf16: fwd {bf_fwd['median_ms']:.3f} ms, fwd+bwd {bf_fb['median_ms']:.3f} ms")
         rows[-1]["fwd_speedup"] = rows[-1]["fb_speedup"] = 1.0
@@ -797,8 +799,12 @@ def main(argv=None) -> Dict[str, Any]:
     log(f"env: {results['env']}")
 
     def save():
-        with open(path, "w") as fh:
+        # Written whole, then renamed: a run killed at its time limit leaves
+        # the last complete file, never a truncated one.
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
             json.dump(results, fh, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+        os.replace(tmp, path)
 
     def progress(key, value):
         results[key] = value

@@ -63,3 +63,22 @@ def test_step_profile_runs_every_guard_variant(tmp_path):
     conds = {r["variant"]: r["conditionals"] for r in res["runs"]}
     assert conds == {"step-bf16": 0, "step-fp8-seam": 8, "step-fp8-block": 2, "step-fp8-off": 0}
     assert all(r["median_ms"] > 0 and r["kernels"] for r in res["runs"])
+
+
+@pytest.mark.slow
+def test_ffn_rows_are_on_disk_before_a_run_is_killed(tmp_path, monkeypatch):
+    # A device call killed at its time limit must keep the FFN rows measured
+    # so far: stop the run where the Flax comparison would start.
+    monkeypatch.setenv("OUT", str(tmp_path))
+    mod = _load()
+
+    def killed():
+        raise SystemExit("killed at the time limit")
+
+    monkeypatch.setattr(mod, "_flax_ops", killed)
+    with pytest.raises(SystemExit):
+        mod.main(["--smoke", "--ffn", "--warmup", "0", "--iters", "1"])
+    res = json.loads((tmp_path / "bench_fp8_smoke_ffn.json").read_text())
+    names = [r["variant"] for r in res["ffn"]]
+    assert names[0].startswith("bf16") and "eae fp8 static" in names and not any(n.startswith("flax") for n in names)
+    assert not list(tmp_path.glob("*.tmp"))

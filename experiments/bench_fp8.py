@@ -531,13 +531,15 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     if any(_guard_spec(g)[2] for g in specs) and all(_guard_spec(g)[2] for g in specs):
         raise ValueError("a '+delayed' variant needs a current-scaling variant in --guards to observe "
                          "the gradient scales it starts from")
-    variants = {spec: guard_variant(bound, _guard_spec(spec)[0]).with_grad_scaling(
-        "delayed" if _guard_spec(spec)[2] else "current") for spec in specs}
     # '+tensorw': the same activation scales with per-tensor weight scales
     # (the gate above ran with per-channel ones; bench_fp8 --ffn gates both).
-    variants = {spec: b if not _guard_spec(spec)[3] else dataclasses.replace(
-        b, seams={n: sm.replace(weight_scaling="tensor") for n, sm in b.seams.items()})
-        for spec, b in variants.items()}
+    variants = {}
+    for spec in specs:
+        guard, _, delayed, tensorw = _guard_spec(spec)
+        b = guard_variant(bound, guard).with_grad_scaling("delayed" if delayed else "current")
+        if tensorw:
+            b = dataclasses.replace(b, seams={n: sm.replace(weight_scaling="tensor") for n, sm in b.seams.items()})
+        variants[spec] = b
 
     stack = eae_jax.reconstruct(decoder_block(cfg))
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 from eae_jax.blocks.transformer import BlockConfig
 from eae_jax.dtypes import DTypePolicy
+from eae_jax.fp8.quant import WEIGHT_SCALINGS
 from eae_jax.models.llama import LMConfig
 
 #: Model and batch presets. ``tiny`` trains in seconds on a laptop CPU.
@@ -113,8 +114,9 @@ class TrainConfig:
             raise ValueError(f"unknown fp8_fallback {self.fp8_fallback!r}; valid: seam, block, step")
         if self.fp8_grad_scaling not in ("current", "delayed"):
             raise ValueError(f"unknown fp8_grad_scaling {self.fp8_grad_scaling!r}; valid: current, delayed")
-        if self.fp8_weight_scaling not in ("channel", "tensor"):
-            raise ValueError(f"unknown fp8_weight_scaling {self.fp8_weight_scaling!r}; valid: channel, tensor")
+        if self.fp8_weight_scaling not in WEIGHT_SCALINGS:
+            raise ValueError(f"unknown fp8_weight_scaling {self.fp8_weight_scaling!r}; "
+                             f"valid: {', '.join(WEIGHT_SCALINGS)}")
         if self.fp8:
             from eae_jax.fp8 import policy_seams
 

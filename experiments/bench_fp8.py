@@ -18,7 +18,11 @@ Train steps feed their outputs back (real steps, params donated).
 What "fp8" means here: `eae_jax.fp8` seams (e4m3 forward GEMMs on
 ``float8_e4m3fn`` operands, e5m2 gradients with current per-tensor scaling
 in the backward), static calibrated activation scales unless a row says
-otherwise, guards on (one ``lax.cond`` per seam call) unless "unguarded". The
+otherwise, guards on (one ``lax.cond`` per seam call) unless "unguarded",
+e4m3 weight scales per output channel unless "tensor-w" (per tensor, from
+the weight's amax in the same call) or "delayed-w" (per tensor, from the
+amax observed in an earlier step; the forward-only "fwd" timing then has no
+weight reduction at all, the forward+backward one observes the amax). The
 e2e step runs every ``--guards`` variant (one ``lax.cond`` per seam call,
 one per block call, none) against one bf16 step, compiled one by one and
 timed in the same process (a medium step compiles in about 100 s on the
@@ -333,11 +337,13 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                 ("static", True, False, False, "channel"), ("static", False, False, False, "channel"),
                 ("static", True, False, True, "channel"), ("static", False, False, True, "channel"),
                 ("static", True, False, True, "tensor"), ("static", False, False, True, "tensor"),
+                ("static", True, False, True, "delayed"), ("static", False, False, True, "delayed"),
                 ("row", True, False, False, "channel"), ("static", True, True, False, "channel")):
             seam = fp8.ffn_seam(act_scaling=mode, check_values=guarded, fast_accum_bwd=fast_bwd,
                                 grad_scaling="delayed" if delayed else "current", weight_scaling=wscale)
             name = (f"eae fp8 {mode}" + ("" if guarded else " unguarded") + (" fast-accum bwd" if fast_bwd else "")
-                    + (" delayed grads" if delayed else "") + (" tensor-w" if wscale == "tensor" else ""))
+                    + (" delayed grads" if delayed else "")
+                    + {"channel": "", "tensor": " tensor-w", "delayed": " delayed-w"}[wscale])
             try:
                 bound = fp8.bind(seam, pb, [c[1] for c in cal], residuals=[c[0] for c in cal])
             except fp8.GateRefused as err:
@@ -483,15 +489,17 @@ GRAPH_CONDS = {"xla_gpu_enable_command_buffer":
 
 
 def _guard_spec(spec: str) -> tuple:
-    """``'block+graphs'`` -> ``('block', GRAPH_CONDS, False, False)``;
-    ``'off+delayed'`` -> ``('off', None, True, False)`` (delayed gradient
-    scaling); ``'+tensorw'`` sets the last (per-tensor weight scales); raises
-    ValueError for an unknown guard or suffix."""
+    """``'block+graphs'`` -> ``('block', GRAPH_CONDS, False, 'channel')``;
+    ``'off+delayed'`` -> ``('off', None, True, 'channel')`` (delayed gradient
+    scaling); ``'+tensorw'`` / ``'+delayedw'`` set the last (per-tensor
+    weight scales, current / delayed); raises ValueError for an unknown
+    guard or suffix, or both weight suffixes."""
     guard, *extras = spec.split("+")
-    if (guard not in GUARDS or any(e not in ("graphs", "delayed", "tensorw") for e in extras)
-            or len(set(extras)) != len(extras)):
+    if (guard not in GUARDS or any(e not in ("graphs", "delayed", "tensorw", "delayedw") for e in extras)
+            or len(set(extras)) != len(extras) or {"tensorw", "delayedw"} <= set(extras)):
         raise ValueError(spec)
-    return guard, (GRAPH_CONDS if "graphs" in extras else None), "delayed" in extras, "tensorw" in extras
+    weights = "tensor" if "tensorw" in extras else "delayed" if "delayedw" in extras else "channel"
+    return guard, (GRAPH_CONDS if "graphs" in extras else None), "delayed" in extras, weights
 
 
 def guard_variant(bound: "fp8.BoundBlock", guard: str) -> "fp8.BoundBlock":
@@ -531,15 +539,14 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     if any(_guard_spec(g)[2] for g in specs) and all(_guard_spec(g)[2] for g in specs):
         raise ValueError("a '+delayed' variant needs a current-scaling variant in --guards to observe "
                          "the gradient scales it starts from")
-    # '+tensorw': the same activation scales with per-tensor weight scales
-    # (the gate above ran with per-channel ones; bench_fp8 --ffn gates both).
+    # '+tensorw' / '+delayedw': the same activation scales with per-tensor
+    # weight scales (the gate above ran with per-channel ones; bench_fp8
+    # --ffn gates every scaling).
     variants = {}
     for spec in specs:
-        guard, _, delayed, tensorw = _guard_spec(spec)
+        guard, _, delayed, weights = _guard_spec(spec)
         b = guard_variant(bound, guard).with_grad_scaling("delayed" if delayed else "current")
-        if tensorw:
-            b = dataclasses.replace(b, seams={n: sm.replace(weight_scaling="tensor") for n, sm in b.seams.items()})
-        variants[spec] = b
+        variants[spec] = b.with_weight_scaling(weights, params)
 
     stack = eae_jax.reconstruct(decoder_block(cfg))
 
@@ -605,6 +612,7 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
             "calls_exact": all(e["calls"] == steps for e in report),
             "fp8_fraction": sum(e["fp8_calls"] for e in report) / max(1, sum(e["calls"] for e in report)),
             "grad_clipped": sum(sum(e.get("grad_clipped", [])) for e in report),
+            "weight_clipped": sum(sum(e.get("weight_clipped", [])) for e in report),
         }
         args.progress("e2e", done + [row])  # a later timeout keeps what was measured
     return row
@@ -757,7 +765,7 @@ def main(argv=None) -> Dict[str, Any]:
                          "'<guard>+graphs' compiles it with conditionals and loops inside CUDA graphs; "
                          "'<guard>+delayed' scales output gradients from the amax observed in the previous "
                          "step (delayed scaling; needs a current-scaling variant in the list); "
-                         "'<guard>+tensorw' uses per-tensor weight scales")
+                         "'<guard>+tensorw' uses per-tensor weight scales, '<guard>+delayedw' delayed per-tensor ones")
     ap.add_argument("--train-scaling", default="delayed", choices=fp8.seams.SCALINGS,
                     help="activation scaling for the training run (delayed follows drifting activations)")
     ap.add_argument("--train-steps", type=int, default=300)
@@ -784,7 +792,7 @@ def main(argv=None) -> Dict[str, Any]:
     if unknown or not args.guards:
         ap.error(f"--guards: unknown {unknown}; expected a comma list of {GUARDS}, each optionally "
                  "with '+graphs' (conditionals inside CUDA graphs), '+delayed' (delayed gradient scaling) "
-                 "and/or '+tensorw' (per-tensor weight scales)")
+                 "and/or '+tensorw' / '+delayedw' (per-tensor weight scales, current / delayed)")
     if args.warmup is None:
         args.warmup = 1 if args.smoke else 3
     if args.iters is None:

@@ -34,7 +34,8 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
     assert ours["fwd"]["lowered_fp8_dots"] == 2 and ours["fb"]["lowered_fp8_dots"] == 6
     assert ours["fp8_calls_fwd"] == 1.0 and ours["fp8_calls_fb"] == 1.0
     assert ours["fwd"]["median_ms"] > 0 and ours["fb"]["median_ms"] > 0
-    for name in ("eae fp8 static delayed grads tensor-w", "eae fp8 static unguarded delayed grads tensor-w"):
+    for name in ("eae fp8 static delayed grads tensor-w", "eae fp8 static unguarded delayed grads tensor-w",
+                 "eae fp8 static delayed grads delayed-w", "eae fp8 static unguarded delayed grads delayed-w"):
         tw = variants[name]  # per-tensor weight scales: same GEMM count, same accuracy class
         assert tw["fwd"]["lowered_fp8_dots"] == 2 and tw["fb"]["lowered_fp8_dots"] == 6, name
         assert 0.99 < tw["cos_bare"] < 1.0 and tw["cos_boundary"] > 0.999, name
@@ -50,6 +51,19 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
     assert train["within_2pct"], train
     assert train["fp8"]["ledger"]["fp8_calls"] > 0.9 * train["fp8"]["ledger"]["calls"]
     assert len(train["bf16"]["losses"]) == train["config"]["steps"]
+
+
+def test_e2e_weight_scaling_variants(tmp_path, monkeypatch):
+    # The '+tensorw' / '+delayedw' steps run, count every call, never clip,
+    # and delayed weight scales follow the weights the steps train.
+    monkeypatch.setenv("OUT", str(tmp_path))
+    res = _load().main(["--smoke", "--e2e", "--guards", "off,step+delayed+delayedw,off+tensorw",
+                        "--warmup", "0", "--iters", "1"])
+    (e2e,) = res["e2e"]
+    assert set(e2e["variants"]) == {"off", "step+delayed+delayedw", "off+tensorw"}
+    for g, v in e2e["variants"].items():
+        assert v["calls_exact"] and v["fallbacks"] == 0 and v["fp8_fraction"] == 1.0, g
+        assert v["fp8"]["lowered_fp8_dots"] > 0 and v["weight_clipped"] == 0 and v["grad_clipped"] == 0, g
 
 
 def test_step_profile_runs_every_guard_variant(tmp_path):

@@ -135,22 +135,23 @@ def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path):
     assert cur["fp8"]["weight_scaling"] == ["tensor"]
     assert cur["final_loss"] != f8["final_loss"]  # the gradient scales really differ
     assert abs(cur["final_loss"] - f8["final_loss"]) / f8["final_loss"] < 0.02
-    # Delayed gradient scaling with the block guard: the first step observes
-    # (current scaling), then the previous step's scales are used; with
-    # nothing falling back it trains the same model as the step guard, and a
-    # resumed run starts delayed straight away.
+    # Delayed gradient scaling with the block guard and delayed weight
+    # scales: the first step observes gradients (current scaling), then the
+    # previous step's scales are used; a resumed run (its checkpoint holds
+    # the weight scales) starts delayed straight away and trains like the
+    # step guard with per-channel weights.
     said = []
-    dl = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="block", out=str(tmp_path / "fp8d"),
-                           **{**base, "checkpoint_every": 6}), log_fn=said.append, until=6)
+    dcfg = dict(dtype="fp8_e4m3", fp8_fallback="block", fp8_weight_scaling="delayed", out=str(tmp_path / "fp8d"))
+    dl = train(TrainConfig(**dcfg, **{**base, "checkpoint_every": 6}), log_fn=said.append, until=6)
     assert "fp8: gradient scales observed; delayed gradient scaling from step 2" in said
     said.clear()
-    dl = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="block", out=str(tmp_path / "fp8d"),
-                           **{**base, "checkpoint_every": 6}), log_fn=said.append)
+    dl = train(TrainConfig(**dcfg, **{**base, "checkpoint_every": 6}), log_fn=said.append)
     assert dl["resumed_from"] and not [m for m in said if "delayed gradient scaling from" in m]
     assert dl["fp8"]["calls"] == f8["fp8"]["calls"] and dl["fp8"]["grad_scaling"] == "delayed"
+    assert dl["fp8"]["weight_scaling"] == ["delayed"]
     assert dl["fp8"]["grad_clipped"] == 0
-    if f8["fp8"]["fallbacks"] == 0 and dl["fp8"]["fallbacks"] == 0:
-        assert dl["final_loss"] == pytest.approx(f8["final_loss"], rel=1e-3)
+    assert dl["final_loss"] != f8["final_loss"]
+    assert abs(dl["final_loss"] - f8["final_loss"]) / f8["final_loss"] < 0.02
 
 
 def test_bad_config_errors():
@@ -168,7 +169,7 @@ def test_bad_config_errors():
         TrainConfig(dtype="fp8_e4m3", fp8_fallback="layer")
     with pytest.raises(ValueError, match="unknown fp8_grad_scaling 'late'; valid: current, delayed"):
         TrainConfig(dtype="fp8_e4m3", fp8_grad_scaling="late")
-    with pytest.raises(ValueError, match="unknown fp8_weight_scaling 'row'; valid: channel, tensor"):
+    with pytest.raises(ValueError, match="unknown fp8_weight_scaling 'row'; valid: channel, tensor, delayed"):
         TrainConfig(dtype="fp8_e4m3", fp8_weight_scaling="row")
     with pytest.raises(ValueError, match="unknown pass 'int4'"):
         from eae_jax.train import parse_passes

@@ -7,7 +7,7 @@ Modules, one job each:
 * `eae_jax.fp8.seams`: seams (SwiGLU FFN, fused projections), `bind`
   (calibrate, build, gate), `BoundSeam`, `Certification`, the seam state
   (activation scales, ledger, observed gradient scales for current or
-  delayed gradient scaling).
+  delayed gradient scaling, delayed weight scales).
 * `eae_jax.fp8.guards`: the trace-time contract and in-graph value checks.
 * `eae_jax.fp8.ledger`: fallback counting through the VJP, `fold`,
   `report`, the host monitor (warn once, detach notice), strict mode.
@@ -60,6 +60,7 @@ from eae_jax.fp8.seams import (
     qkv_seam,
     require_grad_scales,
     state_report,
+    weight_scales_of,
 )
 
 __all__ = [
@@ -69,5 +70,5 @@ __all__ = [
     "dense_seam", "dequantize", "ffn_seam", "fold", "fold_state", "fp8_block", "fp8_block_with_ledger",
     "fp8_forward", "fp8_linear", "fp8_matmul", "fp8_max", "high_precision", "init_block_state", "init_ledger",
     "init_state", "out_proj_seam", "policy_seams", "qkv_seam", "quantize", "quantize_weight", "report",
-    "require_grad_scales", "scale_from_amax", "state_report",
+    "require_grad_scales", "scale_from_amax", "state_report", "weight_scales_of",
 ]

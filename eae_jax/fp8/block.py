@@ -47,7 +47,7 @@ from eae_jax.blocks.attention import causal_attention
 from eae_jax.blocks.transformer import BlockConfig, check_block_params, decoder_block
 from eae_jax.fp8 import ledger as ledger_lib
 from eae_jax.fp8 import seams as seams_lib
-from eae_jax.fp8.quant import E4M3, scale_from_amax
+from eae_jax.fp8.quant import E4M3, WEIGHT_SCALINGS, scale_from_amax
 from eae_jax.fp8.seams import GateRefused, Seam, SeamConfig, SeamState
 
 SEAM_NAMES = ("qkv", "o", "ffn")
@@ -352,6 +352,40 @@ class BoundBlock:
         return dataclasses.replace(self, seams={n: sm.replace(grad_scaling=grad_scaling)
                                                 for n, sm in self.seams.items()})
 
+    def with_weight_scaling(self, weight_scaling: str, params: Any = None) -> "BoundBlock":
+        """The same bound block (scales, gate, certification) with every seam's
+        weight scaling set to ``'channel'``, ``'tensor'`` or ``'delayed'``
+        (see `eae_jax.fp8.SeamConfig`). Switching to ``'delayed'`` starts each
+        layer's weight scales from ``params`` (the block params, stacked for
+        several layers) unless the state has them; switching away drops them.
+
+        Raises:
+          ValueError: an unknown name, or ``'delayed'`` without weight scales
+            in the state and no ``params``.
+        """
+        if weight_scaling not in WEIGHT_SCALINGS:
+            raise ValueError(f"unknown weight_scaling {weight_scaling!r}; expected one of {WEIGHT_SCALINGS}")
+        seams = {n: sm.replace(weight_scaling=weight_scaling) for n, sm in self.seams.items()}
+        state = {}
+        for n, st in self.state.items():
+            if weight_scaling != "delayed":
+                state[n] = st._replace(weight_scales=None, weight_clipped=None)
+                continue
+            if st.weight_scales is not None:
+                state[n] = st
+                continue
+            if params is None:
+                raise ValueError(f"seam {n!r}: delayed weight scaling starts from the weights' scales; pass params")
+            stacked = params if _depth_of(self.cfg, params) is not None else \
+                jax.tree_util.tree_map(lambda a: a[None], params)
+            w_scales = jax.vmap(functools.partial(seams_lib.weight_scales_of, seams[n]))(
+                stacked["ffn" if n == "ffn" else "attn"])
+            if w_scales.shape[0] != st.scales.shape[0]:
+                raise ValueError(f"seam {n!r}: params have {w_scales.shape[0]} layer(s), the state "
+                                 f"{st.scales.shape[0]}")
+            state[n] = st._replace(weight_scales=w_scales, weight_clipped=jnp.zeros_like(w_scales))
+        return dataclasses.replace(self, seams=seams, state=state)
+
     def fold_step(self, state: Dict[str, SeamState], grads: Dict[str, Any],
                   notify: bool = True):
         """`fold` for ``fallback='step'``: ``(new state, bad)``.
@@ -361,7 +395,7 @@ class BoundBlock:
         reruns it in high precision. The counts then say so: the failing
         calls with their own reason, every other call of the step with
         reason ``'step'``; gradient-scale observations of a dropped step are
-        discarded.
+        discarded, and so are its weight-amax observations.
         """
         ledgers = {n: (g.ledger if isinstance(g, SeamState) else g) for n, g in grads.items()}
         bad = functools.reduce(jnp.logical_or, [jnp.any(ledger_lib.own_fallbacks(ledgers[n]) > 0)
@@ -371,8 +405,10 @@ class BoundBlock:
             g = grads[n]
             led = ledger_lib.as_step_fallback(ledgers[n], bad)
             if isinstance(g, SeamState):
-                gs = None if g.grad_scales is None else jnp.where(bad, jnp.zeros_like(g.grad_scales), g.grad_scales)
-                adjusted[n] = g._replace(ledger=led, grad_scales=gs)
+                def drop(obs):
+                    return None if obs is None else jnp.where(bad, jnp.zeros_like(obs), obs)
+                adjusted[n] = g._replace(ledger=led, grad_scales=drop(g.grad_scales),
+                                         weight_scales=drop(g.weight_scales))
             else:
                 adjusted[n] = led
         return self.fold(state, adjusted, notify), bad
@@ -529,24 +565,44 @@ def bind_block(
             "gate_cos": seam.config.gate_cos if gate_cos is None else float(gate_cos),
             "gate_boundary": "block boundary (incl. residual)", "act_scaling": seam.config.act_scaling,
         }
-        state[n] = _layer_states(seam, depth, used[n])
+        state[n] = _layer_states(seam, depth, used[n], stacked["ffn" if n == "ffn" else "attn"])
     return BoundBlock(cfg, seams, state, cert, fallback=fallback)
 
 
-def init_block_state(seams: Dict[str, Seam], depth: int, scales: Optional[Dict[str, Any]] = None) -> Dict[str, SeamState]:
+def init_block_state(seams: Dict[str, Seam], depth: int, scales: Optional[Dict[str, Any]] = None,
+                     params: Any = None) -> Dict[str, SeamState]:
     """Seam states for ``depth`` layers without calibration (scales default 1;
-    for tests and for restoring saved scales)."""
+    for tests and for restoring saved scales).
+
+    Args:
+      params: the stacked block params (leading ``depth`` axis); needed by
+        seams with ``weight_scaling='delayed'``, whose states start from the
+        weights' per-tensor scales.
+
+    Raises:
+      ValueError: a delayed-weight seam and no ``params``.
+    """
     out = {}
     for n, seam in seams.items():
         s = np.ones((depth, seam.points), np.float32) if not scales or n not in scales else \
             np.broadcast_to(np.asarray(scales[n], np.float32), (depth, seam.points))
-        out[n] = _layer_states(seam, depth, s)
+        sub = None if params is None else params["ffn" if n == "ffn" else "attn"]
+        out[n] = _layer_states(seam, depth, s, sub)
     return out
 
 
-def _layer_states(seam: Seam, depth: int, scales) -> SeamState:
+def _layer_states(seam: Seam, depth: int, scales, stacked_params: Any = None) -> SeamState:
     """A seam's state for ``depth`` layers with ``(depth, points)`` activation
-    scales, a zeroed ledger and unobserved gradient scales."""
-    one = seams_lib.init_state(seam)
+    scales, a zeroed ledger, unobserved gradient scales and (delayed weight
+    scaling) each layer's weight scales from ``stacked_params``."""
+    delayed_w = seam.config.weight_scaling == "delayed"
+    if delayed_w and stacked_params is None:
+        raise ValueError(f"seam {seam.name!r} has weight_scaling='delayed': its state starts from the weights' "
+                         "scales; pass the stacked block params")
+    one = seams_lib.init_state(seam.replace(weight_scaling="channel"))
     stacked = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (depth,) + a.shape), one)
-    return stacked._replace(scales=jnp.asarray(scales, jnp.float32))
+    stacked = stacked._replace(scales=jnp.asarray(scales, jnp.float32))
+    if not delayed_w:
+        return stacked
+    w_scales = jax.vmap(functools.partial(seams_lib.weight_scales_of, seam))(stacked_params)
+    return stacked._replace(weight_scales=w_scales, weight_clipped=jnp.zeros_like(w_scales))

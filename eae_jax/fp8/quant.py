@@ -25,12 +25,16 @@ Everything a seam multiplies goes through `fp8_linear`:
 
 Weight scaling (``weight_scaling``): ``'channel'`` (one scale per output
 channel; dgrad requantizes the weight per input channel from its
-high-precision copy) or ``'tensor'`` (one scale for the whole weight: one
+high-precision copy), ``'tensor'`` (one scale for the whole weight: one
 amax reduction and one quantizing pass per call, a scalar output scale
 instead of a per-column vector, and dgrad reads the forward's fp8 weight
-transposed instead of requantizing). Per-tensor weight
-scales are what Flax's and TransformerEngine's fp8 recipes use; per-channel
-ones resolve weights whose rows differ in magnitude better.
+transposed instead of requantizing) or ``'delayed'`` (per tensor too, with
+the scale given by the caller, from the amax observed in an earlier step:
+the quantizing pass no longer waits for a reduction over the weight, and
+the amax it observes leaves as the cotangent of the scale handle, like the
+gradient scales'). Per-tensor weight scales are what Flax's and
+TransformerEngine's fp8 recipes use (delayed, from an amax history);
+per-channel ones resolve weights whose rows differ in magnitude better.
 
 Why operands are never dequantized before the dot: XLA folds
 ``quantize -> dequantize to bf16 -> dot`` back into a bf16 GEMM (the rounding
@@ -59,7 +63,9 @@ FP8_FORMATS = (E4M3, E5M2)
 GEMM_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 #: How a live weight is scaled for the fp8 GEMM (see the module docstring).
-WEIGHT_SCALINGS = ("channel", "tensor")
+WEIGHT_SCALINGS = ("channel", "tensor", "delayed")
+#: The weight scalings with one scale per weight (a float32 scalar).
+PER_TENSOR_WEIGHT_SCALINGS = ("tensor", "delayed")
 
 
 def fp8_max(dtype: Any) -> float:
@@ -234,6 +240,29 @@ def quantize_weight_blocks(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
     return Fp8Weight(jnp.concatenate([q.q for q in parts], axis=0), jnp.concatenate([q.scale for q in parts]))
 
 
+def quantize_weight_delayed(ws: Tuple[jax.Array, ...], scale: jax.Array) -> Fp8Weight:
+    """``concatenate(ws)`` quantized to e4m3 with a given per-tensor
+    ``scale`` (float32 scalar; magnitudes beyond ``scale * 448`` saturate):
+    one elementwise pass per block, no reduction to wait for. Only the fp8
+    bytes are joined.
+
+    Raises:
+      ValueError: a block is not 2-D, or ``scale`` is not a scalar.
+    """
+    if any(w.ndim != 2 for w in ws):
+        raise ValueError(f"a linear weight must be (out, in), got shapes {[w.shape for w in ws]}")
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.shape != ():
+        raise ValueError(f"a per-tensor weight scale must be a scalar, got shape {scale.shape}")
+    qs = [quantize(w, scale, E4M3) for w in ws]
+    return Fp8Weight(qs[0] if len(qs) == 1 else jnp.concatenate(qs, axis=0), scale)
+
+
+def weight_amax(ws: Tuple[jax.Array, ...]) -> jax.Array:
+    """float32 ``max |concatenate(ws)|`` (a per-tensor weight scale's amax)."""
+    return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(w.astype(jnp.float32))) for w in ws])
+
+
 def _dgrad_weight(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
     """``w.T`` ``(K, N)`` for ``w = concatenate(ws)``, quantized per row of the
     transpose (per input channel of ``w``): the dgrad contraction runs over
@@ -309,34 +338,44 @@ def _grad_scale_arg(gs, delayed):
     return gs if delayed and gs.shape != (0,) else None
 
 
-def _live_weight(ws, per_tensor):
-    return quantize_weight_tensor(ws) if per_tensor else quantize_weight_blocks(ws)
+def _live_weight(ws, mode, wsc):
+    if mode == "delayed":
+        return quantize_weight_delayed(ws, wsc)
+    return quantize_weight_tensor(ws) if mode == "tensor" else quantize_weight_blocks(ws)
 
 
 # ``fast``: static flags (forward fast accumulation, backward fast
-# accumulation, delayed gradient scaling, per-tensor weight scaling).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _linear_live(x, ws, xs, gs, fast):
-    wq = _live_weight(ws, fast[3])
+# accumulation, delayed gradient scaling, weight scaling mode). ``wsc``: the
+# delayed weight scale handle (zero-size otherwise).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _linear_live(x, ws, xs, gs, wsc, fast):
+    wq = _live_weight(ws, fast[3], wsc)
     return _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])[0]
 
 
-def _linear_live_fwd(x, ws, xs, gs, fast):
-    wq = _live_weight(ws, fast[3])
+def _linear_live_fwd(x, ws, xs, gs, wsc, fast):
+    wq = _live_weight(ws, fast[3], wsc)
     y, xq = _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])
+    # The weight amax this call observed (delayed weight scaling): only a
+    # differentiated call computes it, from the same values the quantizing
+    # pass reads, so XLA can fuse the reduction into that pass.
+    wmax = weight_amax(ws) if fast[3] == "delayed" else None
     # Residuals: the fp8 activations (half the bytes of bf16 ones), their
     # scale, the weight blocks themselves (primal inputs, so no copy), the
     # delayed gradient scale, a zero-size carrier of the activation dtype,
-    # and with per-tensor weight scaling the fp8 weight dgrad reads.
-    return y, (xq, xs, ws, gs, jnp.zeros((0,), x.dtype), wq if fast[3] else None)
+    # with per-tensor weight scaling the fp8 weight dgrad reads, and the
+    # weight handle with its observation.
+    per_tensor = fast[3] in PER_TENSOR_WEIGHT_SCALINGS
+    return y, (xq, xs, ws, gs, jnp.zeros((0,), x.dtype), wq if per_tensor else None, (wsc, wmax))
 
 
 def _linear_live_bwd(fast, res, g):
-    xq, xs, ws, gs, xd, wq = res
+    xq, xs, ws, gs, xd, wq, (wsc, wmax) = res
     dx, dw, gmax = _linear_bwd_math(g, xq, xs, ws, xd.dtype, ws[0].dtype, fast[1], _grad_scale_arg(gs, fast[2]),
                                     w_tensor=wq)
     rows = np.cumsum([w.shape[0] for w in ws])[:-1].tolist()
-    return dx, tuple(jnp.split(dw, rows, axis=0)), jnp.zeros_like(xs), _observed(gs, gmax)
+    w_obs = jnp.zeros_like(wsc) if wmax is None else _observed(wsc, wmax)
+    return dx, tuple(jnp.split(dw, rows, axis=0)), jnp.zeros_like(xs), _observed(gs, gmax), w_obs
 
 
 _linear_live.defvjp(_linear_live_fwd, _linear_live_bwd)
@@ -361,9 +400,9 @@ def _linear_frozen_bwd(fast, res, g):
 
 
 def _observed(gs, gmax):
-    """The "cotangent" of the gradient scale handle: the amax this backward
-    observed (how `eae_jax.fp8` gets it out of a compiled step, like the
-    ledger's counts); nothing when no handle was given."""
+    """The "cotangent" of a scale handle: the amax this call observed (how
+    `eae_jax.fp8` gets it out of a compiled step, like the ledger's counts);
+    nothing when no handle was given, 0 for a non-finite amax."""
     if gs.shape == (0,):
         return jnp.zeros_like(gs)
     return jnp.where(jnp.isfinite(gmax), gmax, 0.0).astype(gs.dtype)
@@ -374,7 +413,8 @@ _linear_frozen.defvjp(_linear_frozen_fwd, _linear_frozen_bwd)
 
 def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weight], x_scale: jax.Array,
                fast_accum: Tuple[bool, bool] = (True, False), grad_scale: Any = None,
-               delayed_grad: bool = False, weight_scaling: str = "channel") -> jax.Array:
+               delayed_grad: bool = False, weight_scaling: str = "channel",
+               weight_scale: Any = None) -> jax.Array:
     """``x @ w.T`` through an fp8 GEMM, differentiable with an fp8 backward.
 
     The forward quantizes ``x / x_scale`` to e4m3 and (for a live weight)
@@ -414,17 +454,24 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
       delayed_grad: quantize the output gradient with ``grad_scale``
         (magnitudes beyond ``grad_scale * 57344`` saturate) instead of a
         scale from its own amax.
-      weight_scaling: ``'channel'`` or ``'tensor'``: a live weight's e4m3
-        scales (module docstring). An `Fp8Weight` keeps the scales it was
-        quantized with.
+      weight_scaling: ``'channel'``, ``'tensor'`` or ``'delayed'``: a live
+        weight's e4m3 scales (module docstring). An `Fp8Weight` keeps the
+        scales it was quantized with.
+      weight_scale: with ``weight_scaling='delayed'`` (and only then): the
+        float32 scalar e4m3 scale of the whole (concatenated) weight, e.g.
+        ``amax / 448`` from an earlier step; magnitudes beyond
+        ``weight_scale * 448`` saturate. Its cotangent is the weight amax
+        this call observed (not a derivative, like ``grad_scale``'s).
 
     Returns:
       ``(M, N)`` in ``x.dtype``.
 
     Raises:
       ValueError: shapes that do not fit (or weight blocks that differ in
-        input width or dtype), an ``x_scale`` / ``grad_scale`` of another
-        shape, or an unknown ``weight_scaling``.
+        input width or dtype), an ``x_scale`` / ``grad_scale`` /
+        ``weight_scale`` of another shape, an unknown ``weight_scaling``,
+        ``'delayed'`` without a ``weight_scale`` or a ``weight_scale``
+        without ``'delayed'``.
     """
     if x.ndim != 2:
         raise ValueError(f"fp8_linear expects 2-D activations (M, K), got shape {x.shape}")
@@ -442,8 +489,8 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
     if weight_scaling not in WEIGHT_SCALINGS:
         raise ValueError(f"unknown weight_scaling {weight_scaling!r}; expected one of {WEIGHT_SCALINGS}")
     # Static flags of the custom VJPs: forward / backward fast accumulation,
-    # delayed gradient scaling, per-tensor weight scaling.
-    fast = (bool(fast_accum[0]), bool(fast_accum[1]), bool(delayed_grad), weight_scaling == "tensor")
+    # delayed gradient scaling, weight scaling mode.
+    fast = (bool(fast_accum[0]), bool(fast_accum[1]), bool(delayed_grad), weight_scaling)
     if grad_scale is None:
         if delayed_grad:
             raise ValueError("delayed_grad needs a grad_scale")
@@ -453,14 +500,29 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
         if gs.shape != ():
             raise ValueError(f"grad_scale must be a float32 scalar, got shape {gs.shape}")
     if blocks is None:
+        if weight_scale is not None:
+            raise ValueError("a weight_scale was given with a frozen Fp8Weight, which keeps its own scales")
         return _linear_frozen(x, w.q, w.scale, x_scale, gs, fast)
-    return _linear_live(x, blocks, x_scale, gs, fast)
+    if (weight_scaling == "delayed") != (weight_scale is not None):
+        raise ValueError("weight_scaling='delayed' needs a weight_scale, and a weight_scale is only used with "
+                         f"weight_scaling='delayed' (got weight_scaling={weight_scaling!r}, "
+                         f"weight_scale={'None' if weight_scale is None else 'given'})")
+    if weight_scale is None:
+        wsc = jnp.zeros((0,), jnp.float32)
+    else:
+        wsc = jnp.asarray(weight_scale, jnp.float32)
+        if wsc.shape != ():
+            raise ValueError(f"weight_scale must be a float32 scalar, got shape {wsc.shape}")
+    return _linear_live(x, blocks, x_scale, gs, wsc, fast)
 
 
-def reference_linear(x: jax.Array, w: jax.Array, x_scale: jax.Array, weight_scaling: str = "channel") -> np.ndarray:
+def reference_linear(x: jax.Array, w: jax.Array, x_scale: jax.Array, weight_scaling: str = "channel",
+                     weight_scale: Any = None) -> np.ndarray:
     """Reference of `fp8_linear`'s forward for tests: the same quantization of
     both operands, then products and sums in float64 numpy. Returns float64."""
-    if weight_scaling == "tensor":
+    if weight_scaling == "delayed":
+        ws = ws_col = jnp.asarray(weight_scale, jnp.float32)
+    elif weight_scaling == "tensor":
         ws = scale_from_amax(jnp.max(jnp.abs(w.astype(jnp.float32))), E4M3)
         ws_col = ws
     else:

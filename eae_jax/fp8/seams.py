@@ -31,8 +31,11 @@ Activation scaling modes (`SeamConfig.act_scaling`):
 * ``'row'``: a scale per row computed from the row's amax in the graph
   (cannot saturate; the calibrated scales are recorded, not used).
 
-Weight scales are always per output channel, from the live weight (or once,
-for a frozen `FrozenParams` weight).
+Weight scaling (`SeamConfig.weight_scaling`): per output channel from the
+live weight (``'channel'``), per tensor from the live weight (``'tensor'``),
+or per tensor from the amax observed in the previous step (``'delayed'``,
+kept in `SeamState.weight_scales`; `bind` starts them from the weights). A
+frozen `FrozenParams` weight is quantized once, per channel.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from eae_jax.fp8.quant import (
     E5M2,
     WEIGHT_SCALINGS,
     Fp8Weight,
+    weight_amax,
     fp8_linear,
     fp8_max,
     quantize_weight_blocks,
@@ -116,10 +120,14 @@ class SeamConfig:
         (a gradient that grew by more than that since the last step
         saturates; `fold_state` counts it in ``grad_clipped``).
       weight_scaling: ``'channel'`` (one e4m3 scale per output channel of
-        each live weight) or ``'tensor'`` (one per weight: a cheaper
+        each live weight), ``'tensor'`` (one per weight: a cheaper
         quantization, a scalar output scale, and dgrad reads the forward's
-        fp8 weight transposed; see `eae_jax.fp8.quant`). Frozen weights
-        (`freeze`) are quantized per channel either way.
+        fp8 weight transposed; see `eae_jax.fp8.quant`) or ``'delayed'``
+        (one per weight, from the weight amax observed in the previous step,
+        `SeamState.weight_scales`: the quantization no longer waits for a
+        reduction over the weight; a weight that grew past the scale's range
+        saturates and `fold_state` counts it in ``weight_clipped``). Frozen
+        weights (`freeze`) are quantized per channel in every mode.
     """
 
     act_scaling: str = "static"
@@ -251,12 +259,20 @@ class SeamState(NamedTuple):
         before gradient scales existed; current scaling only).
       grad_clipped: ``(gemms,)`` float32: steps in which a delayed-scaled
         gradient exceeded its scale's range (its largest values saturated).
+      weight_scales: ``(gemms,)`` float32 per-tensor e4m3 scales of each
+        GEMM's weight, from the weight amax last observed (delayed weight
+        scaling only; None otherwise, so the states of the other modes keep
+        their shape and their checkpoints).
+      weight_clipped: ``(gemms,)`` float32: steps in which a weight had
+        outgrown its delayed scale (its largest values saturated).
     """
 
     scales: jax.Array
     ledger: ledger_lib.Ledger
     grad_scales: Optional[jax.Array] = None
     grad_clipped: Optional[jax.Array] = None
+    weight_scales: Optional[jax.Array] = None
+    weight_clipped: Optional[jax.Array] = None
 
 
 class FrozenParams(NamedTuple):
@@ -271,15 +287,42 @@ class FrozenParams(NamedTuple):
     fp8: tuple
 
 
-def init_state(seam: Seam, scales: Any = None) -> SeamState:
-    """A state with the given scales (default ones) and a zeroed ledger."""
+def init_state(seam: Seam, scales: Any = None, params: Any = None) -> SeamState:
+    """A state with the given activation scales (default ones), a zeroed
+    ledger, unobserved gradient scales and, for ``weight_scaling='delayed'``,
+    weight scales from ``params``' current weights (`weight_scales_of`).
+
+    Raises:
+      ValueError: scales of the wrong shape; delayed weight scaling without
+        ``params``.
+    """
     if scales is None:
         scales = jnp.ones((seam.points,), jnp.float32)
     scales = jnp.asarray(scales, jnp.float32)
     if scales.shape != (seam.points,):
         raise ValueError(f"seam {seam.name!r} needs {seam.points} scale(s), got shape {scales.shape}")
     zeros = jnp.zeros((seam.gemms,), jnp.float32)
-    return SeamState(scales, ledger_lib.init_ledger(seam.points), zeros, zeros)
+    if seam.config.weight_scaling != "delayed":
+        return SeamState(scales, ledger_lib.init_ledger(seam.points), zeros, zeros)
+    if params is None:
+        raise ValueError(f"seam {seam.name!r} has weight_scaling='delayed': its state starts from the weights' "
+                         "scales; pass params=")
+    return SeamState(scales, ledger_lib.init_ledger(seam.points), zeros, zeros, weight_scales_of(seam, params), zeros)
+
+
+def weight_scales_of(seam: Seam, params: Any) -> jax.Array:
+    """float32 ``(gemms,)``: the per-tensor e4m3 scale (``amax / 448``) of each
+    fused GEMM's weight (swiglu: gate|up, down; dense: the concatenation),
+    from ``params`` as they are now (high-precision weights of a
+    `FrozenParams`).
+
+    Raises:
+      ValueError: params that do not fit the seam.
+    """
+    seam_dims(seam, params)
+    hp = params.hp if isinstance(params, FrozenParams) else params
+    groups = _groups(seam, hp)
+    return jnp.stack([scale_from_amax(weight_amax(g), E4M3) for g in groups])
 
 
 # ---------------------------------------------------------------------- shapes
@@ -382,19 +425,24 @@ def _fast(seam: Seam) -> Tuple[bool, bool]:
     return (seam.config.fast_accum_fwd, seam.config.fast_accum_bwd)
 
 
-def _scale_kw(seam: Seam, grad_scales, i: int, group) -> dict:
+def _scale_kw(seam: Seam, grad_scales, weight_scales, i: int, group) -> dict:
     """`fp8_linear`'s scale arguments for GEMM ``i``: gradient scales (none
     without ``grad_scales``: current scaling, nothing observed) and, for a
-    live weight ``group``, the config's weight scaling."""
-    kw = {} if isinstance(group, Fp8Weight) else {"weight_scaling": seam.config.weight_scaling}
+    live weight ``group``, the config's weight scaling (with its delayed
+    scale from ``weight_scales``)."""
+    kw = {}
+    if not isinstance(group, Fp8Weight):
+        kw["weight_scaling"] = seam.config.weight_scaling
+        if seam.config.weight_scaling == "delayed":
+            kw["weight_scale"] = weight_scales[i]
     if grad_scales is None:
         return kw
     return {**kw, "grad_scale": grad_scales[i], "delayed_grad": seam.config.grad_scaling == "delayed"}
 
 
-def _first_gemm(seam, groups, x2, scales, grad_scales=None):
+def _first_gemm(seam, groups, x2, scales, grad_scales=None, weight_scales=None):
     a = fp8_linear(x2, groups[0], _act_scale(seam, x2, scales[0]), _fast(seam),
-                   **_scale_kw(seam, grad_scales, 0, groups[0]))
+                   **_scale_kw(seam, grad_scales, weight_scales, 0, groups[0]))
     if seam.kind == "dense":
         return a
     f = a.shape[-1] // 2
@@ -404,20 +452,23 @@ def _first_gemm(seam, groups, x2, scales, grad_scales=None):
     return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x2.dtype)
 
 
-def _second_gemm(seam, groups, h, scales, grad_scales=None):
+def _second_gemm(seam, groups, h, scales, grad_scales=None, weight_scales=None):
     return fp8_linear(h, groups[1], _act_scale(seam, h, scales[1]), _fast(seam),
-                      **_scale_kw(seam, grad_scales, 1, groups[1]))
+                      **_scale_kw(seam, grad_scales, weight_scales, 1, groups[1]))
 
 
 def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array,
-                grad_scales: Optional[jax.Array] = None) -> jax.Array:
+                grad_scales: Optional[jax.Array] = None, weight_scales: Optional[jax.Array] = None) -> jax.Array:
     """The unguarded fp8 computation of the seam on ``x`` (any leading axes).
 
     No checks, no counting: what the gate measures and what benchmarks time
     as "the fp8 seam" without guards. Differentiable (fp8 backward; with
     ``grad_scales``, ``(gemms,)``, their cotangent is the observed gradient
     amax and ``grad_scaling='delayed'`` quantizes with them; without,
-    current scaling whatever the config says).
+    current scaling whatever the config says). ``weight_scales``
+    ``(gemms,)``: the delayed weight scales (``weight_scaling='delayed'``;
+    their cotangent is the observed weight amax); without them such a seam
+    uses `weight_scales_of` the given weights.
 
     Returns:
       The fused output in ``x.dtype``.
@@ -426,8 +477,10 @@ def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array,
     x2 = x.reshape(-1, k)
     groups = _groups(seam, params)
     scales = jnp.asarray(scales, jnp.float32)
-    h = _first_gemm(seam, groups, x2, scales, grad_scales)
-    y = h if seam.kind == "dense" else _second_gemm(seam, groups, h, scales, grad_scales)
+    if seam.config.weight_scaling == "delayed" and weight_scales is None and not isinstance(params, FrozenParams):
+        weight_scales = jax.lax.stop_gradient(weight_scales_of(seam, params))
+    h = _first_gemm(seam, groups, x2, scales, grad_scales, weight_scales)
+    y = h if seam.kind == "dense" else _second_gemm(seam, groups, h, scales, grad_scales, weight_scales)
     return y.reshape(lead + (y.shape[-1],))
 
 
@@ -492,8 +545,8 @@ def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=Non
 
     Raises:
       TypeError: ``state`` is not a `SeamState`.
-      ValueError: delayed gradient scaling with a state without
-        ``grad_scales``.
+      ValueError: delayed gradient (weight) scaling with a state without
+        ``grad_scales`` (``weight_scales``).
       GuardRefused: wrong width / non-float input; a trace-time problem in
         strict mode.
     """
@@ -502,6 +555,9 @@ def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=Non
         raise TypeError(f"seam {seam.name!r}: state must be a SeamState, got {type(state).__name__}")
     if state.grad_scales is None and cfg.grad_scaling == "delayed":
         raise ValueError(f"seam {seam.name!r} has grad_scaling='delayed' but its state has no grad_scales")
+    if state.weight_scales is None and cfg.weight_scaling == "delayed" and not isinstance(params, FrozenParams):
+        raise ValueError(f"seam {seam.name!r} has weight_scaling='delayed' but its state has no weight_scales "
+                         "(make it with bind / init_state(seam, scales, params))")
     width = input_width(seam, params)
     no_fallback = jnp.int32(-1)
     try:
@@ -534,12 +590,12 @@ def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=Non
     x2 = x.reshape(-1, width)
     groups = _groups(seam, params)
     amax_in, sat_in = value_stats(x2, scales[0] if static else None, fmax)
-    h = _first_gemm(seam, groups, x2, scales, state.grad_scales)
+    h = _first_gemm(seam, groups, x2, scales, state.grad_scales, state.weight_scales)
     if seam.kind == "dense":
         y2, amax_h, sat_h = h, None, None
     else:
         amax_h, sat_h = value_stats(h, scales[1] if static else None, fmax)
-        y2 = _second_gemm(seam, groups, h, scales, state.grad_scales)
+        y2 = _second_gemm(seam, groups, h, scales, state.grad_scales, state.weight_scales)
     y8 = y2.reshape(lead + (y2.shape[-1],))
     amax = amax_in[None] if amax_h is None else jnp.stack([amax_in, amax_h])
     if not cfg.check_values:
@@ -681,9 +737,10 @@ def fold_state(seam: Seam, state: SeamState, inc: Any) -> SeamState:
     """Fold a step's observations into a state (any leading axes).
 
     Args:
-      inc: the state's cotangent (a `SeamState`: ledger increments and
-        observed gradient amax) or ledger increments alone (a `Ledger`,
-        e.g. summed forward increments; gradient scales then stay).
+      inc: the state's cotangent (a `SeamState`: ledger increments,
+        observed gradient amax and, with delayed weight scaling, observed
+        weight amax) or ledger increments alone (a `Ledger`, e.g. summed
+        forward increments; gradient and weight scales then stay).
 
     With ``'delayed'`` activation scaling the activation scales become
     ``amax_observed * 2**margin / 448`` wherever the step observed a finite,
@@ -691,11 +748,15 @@ def fold_state(seam: Seam, state: SeamState, inc: Any) -> SeamState:
     ``grad_amax_observed * 2**grad_margin / 57344`` wherever a gradient
     amax was observed; under delayed gradient scaling a step whose observed
     amax exceeded the range of the scale it used adds one to
-    ``grad_clipped``.
+    ``grad_clipped``. Delayed weight scales become ``weight_amax_observed /
+    448`` wherever a weight amax was observed, and a weight that had
+    outgrown the scale it was quantized with by more than rounding covers
+    (its amax beyond ``464 * scale``: values up to that round to 448 anyway)
+    adds one to ``weight_clipped``.
     """
-    grad_obs = None
+    grad_obs = weight_obs = None
     if isinstance(inc, SeamState):  # the whole state's cotangent was passed
-        grad_obs = inc.grad_scales
+        grad_obs, weight_obs = inc.grad_scales, inc.weight_scales
         inc = inc.ledger
     new_ledger = ledger_lib.fold(state.ledger, inc, seam.config.detach_after)
     scales = state.scales
@@ -709,14 +770,32 @@ def fold_state(seam: Seam, state: SeamState, inc: Any) -> SeamState:
             over = seen & (grad_scales > 0) & (grad_obs > grad_scales * fp8_max(E5M2))
             clipped = (jnp.zeros_like(grad_scales) if clipped is None else clipped) + over.astype(jnp.float32)
         grad_scales = jnp.where(seen, scale_from_amax(grad_obs, E5M2, seam.config.grad_margin), grad_scales)
-    return SeamState(scales, new_ledger, grad_scales, clipped)
+    weight_scales, w_clipped = state.weight_scales, state.weight_clipped
+    if weight_obs is not None and weight_scales is not None:
+        seen = weight_obs > 0
+        # Beyond the top value by less than half its rounding step, a weight
+        # saturates to what rounding would have given it anyway: not clipped.
+        over = seen & (weight_scales > 0) & (weight_obs > weight_scales * _rounding_limit(E4M3))
+        w_clipped = (jnp.zeros_like(weight_scales) if w_clipped is None else w_clipped) + over.astype(jnp.float32)
+        weight_scales = jnp.where(seen, scale_from_amax(weight_obs, E4M3), weight_scales)
+    return SeamState(scales, new_ledger, grad_scales, clipped, weight_scales, w_clipped)
+
+
+def _rounding_limit(dtype) -> float:
+    """The magnitude below which a value rounds to an fp8 format's largest
+    finite one (max plus half the spacing of its top binade): 464 for
+    e4m3fn."""
+    fmax = fp8_max(dtype)
+    spacing = 2.0 ** np.floor(np.log2(fmax)) * float(jnp.finfo(dtype).eps)
+    return fmax + spacing / 2
 
 
 def state_report(state: SeamState, name: str) -> List[Dict[str, Any]]:
     """Host-side receipt of a seam state, one entry per seam instance (layer):
     `eae_jax.fp8.ledger.report`'s entries (calls, fp8 calls, fallbacks by
     reason, last reason, consecutive, detached, amax) plus ``grad_scales``
-    and ``grad_clipped`` per GEMM (when the state has them)."""
+    and ``grad_clipped`` per GEMM (when the state has them), and
+    ``weight_scales`` / ``weight_clipped`` (delayed weight scaling)."""
     out = ledger_lib.report(state.ledger, name)
     if state.grad_scales is not None:
         gs = np.asarray(state.grad_scales)
@@ -725,6 +804,13 @@ def state_report(state: SeamState, name: str) -> List[Dict[str, Any]]:
         for entry, index in zip(out, np.ndindex(*lead) if lead else [()]):
             entry["grad_scales"] = [float(v) for v in gs[index]]
             entry["grad_clipped"] = [int(v) for v in clipped[index]]
+    if state.weight_scales is not None:
+        ws = np.asarray(state.weight_scales)
+        wc = np.zeros_like(ws) if state.weight_clipped is None else np.asarray(state.weight_clipped)
+        lead = ws.shape[:-1]
+        for entry, index in zip(out, np.ndindex(*lead) if lead else [()]):
+            entry["weight_scales"] = [float(v) for v in ws[index]]
+            entry["weight_clipped"] = [int(v) for v in wc[index]]
     return out
 
 
@@ -840,8 +926,9 @@ class BoundSeam:
 
     def fp8(self, params: Any, x: jax.Array, state: Optional[SeamState] = None):
         """The unguarded fp8 computation with this seam's (or ``state``'s) scales."""
-        scales = (state or self.state).scales
-        return split_output(self.seam, params, fp8_forward(self.seam, params, x, scales))
+        st = state or self.state
+        return split_output(self.seam, params, fp8_forward(self.seam, params, x, st.scales,
+                                                           weight_scales=st.weight_scales))
 
     def freeze(self, params: dict) -> FrozenParams:
         """Quantize the weights once for inference (see `FrozenParams`)."""
@@ -965,4 +1052,4 @@ def bind(
         cosines=cos, bare_cosines=bare, gate_cos=thr, gate_boundary=boundary_name,
         max_saturation=max(sats), act_scaling=seam.config.act_scaling,
     )
-    return BoundSeam(seam, init_state(seam, used), cert)
+    return BoundSeam(seam, init_state(seam, used, params), cert)

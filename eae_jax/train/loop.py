@@ -150,14 +150,19 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
 
 
 def _add_observations(acc, g_fp8):
-    """Sum microbatches' fp8 observations: counts add up, gradient amaxes
-    take the maximum (a sum would overstate the scale)."""
+    """Sum microbatches' fp8 observations: counts add up, gradient and
+    weight amaxes take the maximum (a sum would overstate the scale)."""
     out = {}
     for n, a in acc.items():
         g = g_fp8[n]
-        grad = None if a.grad_scales is None else jnp.maximum(a.grad_scales, g.grad_scales)
-        summed = jax.tree_util.tree_map(jnp.add, a._replace(grad_scales=None), g._replace(grad_scales=None))
-        out[n] = summed._replace(grad_scales=grad)
+
+        def peak(x, y):
+            return None if x is None else jnp.maximum(x, y)
+
+        summed = jax.tree_util.tree_map(jnp.add, a._replace(grad_scales=None, weight_scales=None),
+                                        g._replace(grad_scales=None, weight_scales=None))
+        out[n] = summed._replace(grad_scales=peak(a.grad_scales, g.grad_scales),
+                                 weight_scales=peak(a.weight_scales, g.weight_scales))
     return out
 
 
@@ -323,6 +328,7 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
         summary["fp8"] = {"calls": sum(r["calls"] for r in report), "fp8_calls": sum(r["fp8_calls"] for r in report),
                           "fallbacks": sum(r["fallbacks"] for r in report),
                           "grad_clipped": sum(sum(r.get("grad_clipped", [])) for r in report),
+                          "weight_clipped": sum(sum(r.get("weight_clipped", [])) for r in report),
                           "grad_scaling": grad_scaling,
                           "weight_scaling": sorted({sm.config.weight_scaling for sm in bound_fp8.seams.values()}),
                           "detached": [r["seam"] for r in report if r["detached"]],

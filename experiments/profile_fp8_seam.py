@@ -25,6 +25,8 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
   gradients (delayed scales from one observed backward, 1 binade margin).
 * ``raw-tensorw`` / ``raw-tensorw-delayed``: the same with per-tensor
   weight scales (``weight_scaling='tensor'``).
+* ``raw-delayedw-delayed``: per-tensor weight scales from an earlier
+  observation (``weight_scaling='delayed'``) and delayed gradient scales.
 * ``raw-frozen``: the same forward with weights quantized once
   (`eae_jax.fp8.quantize_weight`, inference): no per-call weight work.
 * ``raw-split`` / ``raw-split-delayed``: the same with gate and up as two
@@ -163,13 +165,17 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     hs = fp8.seams.amax_points(fp8.ffn_seam(), pb, x)[1] / 448.0
 
     def raw_ffn(p, x_, gscales, delayed=True, weight_scaling="channel"):
+        # Delayed weight scales ride in the params ("wsc"), so forward+backward
+        # differentiates them too: the weight-amax observation a train step
+        # makes is in the profile.
         d = gscales is not None and delayed
+        wkw = [{"weight_scale": p["wsc"][i]} if weight_scaling == "delayed" else {} for i in range(2)]
         a = fp8.fp8_linear(x_, (p["w_gate"], p["w_up"]), xs, grad_scale=None if gscales is None else gscales[0],
-                           delayed_grad=d, weight_scaling=weight_scaling)
+                           delayed_grad=d, weight_scaling=weight_scaling, **wkw[0])
         g, u = a[:, :f], a[:, f:]
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
         return fp8.fp8_linear(h, p["w_down"], hs, grad_scale=None if gscales is None else gscales[1], delayed_grad=d,
-                              weight_scaling=weight_scaling)
+                              weight_scaling=weight_scaling, **wkw[1])
 
     def raw_split(p, x_, gscales, delayed=True):
         # gate and up as two GEMMs: no fp8 concatenation of their weights in
@@ -192,6 +198,10 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     for label, gsc in (("raw-tensorw", None), ("raw-tensorw-delayed", gscales)):
         fn = (lambda g_: lambda p, x_: raw_ffn(p, x_, g_, weight_scaling="tensor"))(gsc)
         out.append((label, fn, fb_of(fn), pb))
+    # Delayed per-tensor weight scales (weight_scaling='delayed'), with
+    # delayed gradient scales: no reduction ahead of any quantization.
+    fn = lambda p, x_: raw_ffn(p, x_, gscales, weight_scaling="delayed")  # noqa: E731
+    out.append(("raw-delayedw-delayed", fn, fb_of(fn), {**pb, "wsc": fp8.weight_scales_of(fp8.ffn_seam(), pb)}))
     # Weights quantized once (inference): the forward without per-call
     # weight quantization; its backward computes dx only.
     frozen = (fp8.quant.quantize_weight_blocks((pb["w_gate"], pb["w_up"])), fp8.quantize_weight(pb["w_down"]))

@@ -261,6 +261,15 @@ def _flax_swiglu(op_name: str, cls):
 
 
 FFN_SHAPES = {"1b": (8192, 2048, 5632), "7b": (8192, 4096, 11008)}
+#: The eae FFN variants (``--ffn-variants`` keys): activation scaling,
+#: guarded, fast-accumulation backward, delayed gradient scales, weight scaling.
+FFN_VARIANTS = {
+    "static": ("static", True, False, False, "channel"), "static-u": ("static", False, False, False, "channel"),
+    "static-d": ("static", True, False, True, "channel"), "static-u-d": ("static", False, False, True, "channel"),
+    "tensorw-d": ("static", True, False, True, "tensor"), "tensorw-u-d": ("static", False, False, True, "tensor"),
+    "delayedw-d": ("static", True, False, True, "delayed"), "delayedw-u-d": ("static", False, False, True, "delayed"),
+    "row": ("row", True, False, False, "channel"), "fast-bwd": ("static", True, True, False, "channel"),
+}
 
 
 def ffn_section(args) -> List[Dict[str, Any]]:
@@ -333,12 +342,9 @@ def ffn_section(args) -> List[Dict[str, Any]]:
         rows[-1]["fb_tflops"] = 3 * flops / bf_fb["median_ms"] / 1e9
 
         # --- ours
-        for mode, guarded, fast_bwd, delayed, wscale in (
-                ("static", True, False, False, "channel"), ("static", False, False, False, "channel"),
-                ("static", True, False, True, "channel"), ("static", False, False, True, "channel"),
-                ("static", True, False, True, "tensor"), ("static", False, False, True, "tensor"),
-                ("static", True, False, True, "delayed"), ("static", False, False, True, "delayed"),
-                ("row", True, False, False, "channel"), ("static", True, True, False, "channel")):
+        for key, (mode, guarded, fast_bwd, delayed, wscale) in FFN_VARIANTS.items():
+            if args.ffn_variants and key not in args.ffn_variants:
+                continue
             seam = fp8.ffn_seam(act_scaling=mode, check_values=guarded, fast_accum_bwd=fast_bwd,
                                 grad_scaling="delayed" if delayed else "current", weight_scaling=wscale)
             name = (f"eae fp8 {mode}" + ("" if guarded else " unguarded") + (" fast-accum bwd" if fast_bwd else "")
@@ -376,7 +382,7 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                 f"fwd+bwd {fb['median_ms']:.3f} ms ({bf_fb['median_ms'] / fb['median_ms']:.2f}x)")
 
         # --- flax, same inputs, same run
-        ops, problem = _flax_ops()
+        ops, problem = ({}, None) if args.no_flax else _flax_ops()
         if problem:
             rows.append({**base, "variant": "flax", "error": problem})
         for op_name, cls in ops.items():
@@ -756,6 +762,9 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, CI): checks the script runs")
     ap.add_argument("--ffn-shapes", default="1b,7b",
                     help="FFN shapes: comma list of 1b (tokens 8192, dim 2048, ffn 5632), 7b (8192, 4096, 11008)")
+    ap.add_argument("--ffn-variants", default="",
+                    help=f"FFN: comma list of eae variants to run (default all): {', '.join(FFN_VARIANTS)}")
+    ap.add_argument("--no-flax", action="store_true", help="FFN: leave out Flax's fp8 ops")
     ap.add_argument("--configs", default="medium,7b", help="e2e configs: comma list of medium,7b")
     ap.add_argument("--scaling", default="static", choices=fp8.seams.SCALINGS, help="e2e activation scaling")
     ap.add_argument("--guards", default="seam,block,off",
@@ -782,6 +791,9 @@ def main(argv=None) -> Dict[str, Any]:
     args.ffn_shapes = [k for k in args.ffn_shapes.split(",") if k]
     if not args.ffn_shapes or any(k not in FFN_SHAPES for k in args.ffn_shapes):
         ap.error(f"--ffn-shapes: expected a comma list of {sorted(FFN_SHAPES)}, got {args.ffn_shapes}")
+    args.ffn_variants = [k for k in args.ffn_variants.split(",") if k]
+    if any(k not in FFN_VARIANTS for k in args.ffn_variants):
+        ap.error(f"--ffn-variants: expected a comma list of {list(FFN_VARIANTS)}, got {args.ffn_variants}")
     args.guards = [g for g in args.guards.split(",") if g]
     unknown = []
     for g in args.guards:

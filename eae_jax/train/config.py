@@ -7,7 +7,9 @@ from typing import Optional
 
 from eae_jax.blocks.transformer import BlockConfig
 from eae_jax.dtypes import DTypePolicy
+from eae_jax.fp8.block import FALLBACKS
 from eae_jax.fp8.quant import WEIGHT_SCALINGS
+from eae_jax.fp8.seams import GRAD_SCALINGS, SCALINGS
 from eae_jax.models.llama import LMConfig
 
 #: Model and batch presets. ``tiny`` trains in seconds on a laptop CPU.
@@ -108,15 +110,11 @@ class TrainConfig:
         if self.microbatches < 1 or self.batch % self.microbatches:
             raise ValueError(f"batch {self.batch} must split into microbatches={self.microbatches} equal parts")
         self.policy_obj = DTypePolicy.from_name(self.dtype)  # validates the name
-        if self.fp8_scaling not in ("static", "delayed", "row"):
-            raise ValueError(f"unknown fp8_scaling {self.fp8_scaling!r}; valid: static, delayed, row")
-        if self.fp8_fallback not in ("seam", "block", "step"):
-            raise ValueError(f"unknown fp8_fallback {self.fp8_fallback!r}; valid: seam, block, step")
-        if self.fp8_grad_scaling not in ("current", "delayed"):
-            raise ValueError(f"unknown fp8_grad_scaling {self.fp8_grad_scaling!r}; valid: current, delayed")
-        if self.fp8_weight_scaling not in WEIGHT_SCALINGS:
-            raise ValueError(f"unknown fp8_weight_scaling {self.fp8_weight_scaling!r}; "
-                             f"valid: {', '.join(WEIGHT_SCALINGS)}")
+        for field, valid in (("fp8_scaling", SCALINGS), ("fp8_fallback", FALLBACKS),
+                             ("fp8_grad_scaling", GRAD_SCALINGS), ("fp8_weight_scaling", WEIGHT_SCALINGS)):
+            value = getattr(self, field)
+            if value not in valid:
+                raise ValueError(f"unknown {field} {value!r}; valid: {', '.join(valid)}")
         if self.fp8:
             from eae_jax.fp8 import policy_seams
 

@@ -691,7 +691,8 @@ def train_section(args) -> Dict[str, Any]:
             state = None
         else:
             cal = jnp.asarray(data[0][:, :-1])
-            seams = fp8.block_seams(config=fp8.SeamConfig(act_scaling=args.train_scaling, fast_accum_bwd=fast_bwd))
+            seams = fp8.block_seams(config=fp8.SeamConfig(act_scaling=args.train_scaling, fast_accum_bwd=fast_bwd,
+                                                          weight_scaling=args.train_weight_scaling))
             bound = fp8.bind_block(cfg.block, params["blocks"], [embed(params["embed"], cal, jnp.bfloat16)], seams)
             stack = lm_stack(cfg, block_fn=bound.block_fn())
             state = bound.state
@@ -725,10 +726,12 @@ def train_section(args) -> Dict[str, Any]:
                              "by_reason": {r: sum(e["by_reason"].get(r, 0) for e in rep) for r in fp8.REASONS
                                            if any(r in e["by_reason"] for e in rep)}}
             out["gate_worst_cos"] = min(cc["worst_cos"] for cc in bound.certification.values())
+            out["weight_clipped"] = sum(sum(e.get("weight_clipped", [])) for e in rep)
         log(f"  {kind}: first loss {losses[0]:.4f}, last {losses[-1]:.4f}, {total:.1f} s")
         return out
 
-    res = {"config": c, "scaling": args.train_scaling, "attention_impl": impl, "markov_order": args.markov_order,
+    res = {"config": c, "scaling": args.train_scaling, "weight_scaling": args.train_weight_scaling,
+           "attention_impl": impl, "markov_order": args.markov_order,
            "uniform_loss": float(np.log(c["vocab"]))}
     res["bf16"] = run("bf16")
     res["fp8"] = run("fp8")
@@ -782,6 +785,8 @@ def main(argv=None) -> Dict[str, Any]:
                          "'<guard>+tensorw' uses per-tensor weight scales, '<guard>+delayedw' delayed per-tensor ones")
     ap.add_argument("--train-scaling", default="delayed", choices=fp8.seams.SCALINGS,
                     help="activation scaling for the training run (delayed follows drifting activations)")
+    ap.add_argument("--train-weight-scaling", default="channel", choices=fp8.quant.WEIGHT_SCALINGS,
+                    help="e4m3 weight scaling of the training run's fp8 seams")
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--markov-order", type=int, default=1, choices=(1, 2),
                     help="training data: Markov order of the token streams (1: learnable in 300 steps)")

@@ -264,3 +264,18 @@ def test_step_guard_drops_the_weight_observations_of_a_rejected_step():
     assert bool(bad_step)
     for n in bound.seams:
         np.testing.assert_array_equal(np.asarray(dropped[n].weight_scales), np.asarray(bound.state[n].weight_scales))
+
+
+def test_microbatch_observations_take_the_maximum_of_amaxes_and_add_counts():
+    from eae_jax.fp8.ledger import init_ledger
+    from eae_jax.train.loop import _add_observations
+
+    def obs(calls, grad, weight):
+        led = init_ledger(2)._replace(calls=jnp.float32(calls))
+        return fp8.SeamState(jnp.zeros((2,)), led, jnp.asarray(grad, jnp.float32), jnp.zeros((2,)),
+                             jnp.asarray(weight, jnp.float32), jnp.zeros((2,)))
+
+    out = _add_observations({"ffn": obs(1, [1.0, 4.0], [0.5, 0.2])}, {"ffn": obs(2, [3.0, 2.0], [0.5, 0.3])})["ffn"]
+    assert float(out.ledger.calls) == 3.0
+    np.testing.assert_array_equal(np.asarray(out.grad_scales), [3.0, 4.0])
+    np.testing.assert_array_equal(np.asarray(out.weight_scales), np.float32([0.5, 0.3]))

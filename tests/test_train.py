@@ -126,7 +126,7 @@ def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path):
     # The default: the step guard with delayed gradient scaling.
     assert (TrainConfig().fp8_fallback, TrainConfig().fp8_grad_scaling) == ("step", "delayed")
     assert f8["fp8"]["grad_scaling"] == "delayed" and f8["fp8"]["grad_clipped"] == 0
-    assert f8["fp8"]["weight_scaling"] == ["channel"]
+    assert f8["fp8"]["weight_scaling"] == ["delayed"]
     # Falling back per seam call with current gradient scaling and per-tensor
     # weight scales counts the same calls and trains like it.
     cur = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="seam", fp8_grad_scaling="current",
@@ -135,20 +135,19 @@ def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path):
     assert cur["fp8"]["weight_scaling"] == ["tensor"]
     assert cur["final_loss"] != f8["final_loss"]  # the gradient scales really differ
     assert abs(cur["final_loss"] - f8["final_loss"]) / f8["final_loss"] < 0.02
-    # Delayed gradient scaling with the block guard and delayed weight
+    # Delayed gradient scaling with the block guard and per-channel weight
     # scales: the first step observes gradients (current scaling), then the
-    # previous step's scales are used; a resumed run (its checkpoint holds
-    # the weight scales) starts delayed straight away and trains like the
-    # step guard with per-channel weights.
+    # previous step's scales are used; a resumed run starts delayed straight
+    # away and trains like the step guard with delayed weight scales.
     said = []
-    dcfg = dict(dtype="fp8_e4m3", fp8_fallback="block", fp8_weight_scaling="delayed", out=str(tmp_path / "fp8d"))
+    dcfg = dict(dtype="fp8_e4m3", fp8_fallback="block", fp8_weight_scaling="channel", out=str(tmp_path / "fp8d"))
     dl = train(TrainConfig(**dcfg, **{**base, "checkpoint_every": 6}), log_fn=said.append, until=6)
     assert "fp8: gradient scales observed; delayed gradient scaling from step 2" in said
     said.clear()
     dl = train(TrainConfig(**dcfg, **{**base, "checkpoint_every": 6}), log_fn=said.append)
     assert dl["resumed_from"] and not [m for m in said if "delayed gradient scaling from" in m]
     assert dl["fp8"]["calls"] == f8["fp8"]["calls"] and dl["fp8"]["grad_scaling"] == "delayed"
-    assert dl["fp8"]["weight_scaling"] == ["delayed"]
+    assert dl["fp8"]["weight_scaling"] == ["channel"]
     assert dl["fp8"]["grad_clipped"] == 0
     assert dl["final_loss"] != f8["final_loss"]
     assert abs(dl["final_loss"] - f8["final_loss"]) / f8["final_loss"] < 0.02

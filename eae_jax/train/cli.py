@@ -21,10 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "call: one lax.cond per block) | seam (that seam call: one lax.cond per seam)",
         "fp8_grad_scaling": "e5m2 scales of the fp8 seams' gradients: delayed (default; from the previous step's, "
                             "the first step runs current to observe them) | current (from each gradient's own amax)",
-        "fp8_weight_scaling": "e4m3 scales of the fp8 seams' weights: channel (default; one per output channel) | "
-                              "tensor (one per weight: cheaper quantization, dgrad reuses the forward's fp8 weight) "
-                              "| delayed (one per weight from the previous step's amax: no reduction before the "
-                              "quantization)",
+        "fp8_weight_scaling": "e4m3 scales of the fp8 seams' weights: delayed (default; one per weight from the "
+                              "previous step's amax: no reduction before the quantization) | channel (one per "
+                              "output channel, the most accurate) | tensor (one per weight from its current amax)",
         "passes": "adjoint pass chain, e.g. 'int8,clip=1.0' (see eae_jax.train.config.parse_passes)",
         "policy": "reconstruct policy: boundaries | dots | dots_all | everything",
         "data": "token file (.npy or uint16 .bin); default: a learnable synthetic task",

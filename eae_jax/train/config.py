@@ -97,7 +97,7 @@ class TrainConfig:
     # The fastest guarded fp8 training on the H200 (README, "fp8 seams").
     fp8_fallback: str = "step"
     fp8_grad_scaling: str = "delayed"
-    fp8_weight_scaling: str = "channel"
+    fp8_weight_scaling: str = "delayed"
 
     def __post_init__(self):
         if self.preset not in PRESETS:

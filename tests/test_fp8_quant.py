@@ -338,7 +338,7 @@ def _dot_operand_types(text):
     return out
 
 
-@pytest.mark.parametrize("weight_scaling", ["channel", "tensor"])
+@pytest.mark.parametrize("weight_scaling", ["channel", "tensor", "delayed"])
 def test_graph_multiplies_fp8_operands_forward_and_backward(weight_scaling):
     """The seam's jaxpr/StableHLO has dot_generals whose operands ARE fp8 (not
     quantize -> dequantize -> bf16 dots), forward and backward."""
@@ -346,7 +346,7 @@ def test_graph_multiplies_fp8_operands_forward_and_backward(weight_scaling):
                                __import__("eae_jax").blocks.init_swiglu(jax.random.key(0), 64, 128))
     x = _rand(1, (32, 64), 1.0, jnp.bfloat16)
     seam = fp8.ffn_seam(check_values=False, weight_scaling=weight_scaling)
-    state = fp8.init_state(seam, [0.01, 0.01])
+    state = fp8.init_state(seam, [0.01, 0.01], p)
 
     def loss(p, x):
         return jnp.sum(fp8.apply(seam, state, p, x).astype(jnp.float32) * 0.5)  # no dot in the loss
@@ -387,7 +387,8 @@ def _has_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs an NVIDIA GPU (fp8 GEMMs need compute capability >= 8.9)")
-def test_compiled_hlo_has_cublaslt_fp8_gemm():
+@pytest.mark.parametrize("weight_scaling", ["channel", "delayed"])
+def test_compiled_hlo_has_cublaslt_fp8_gemm(weight_scaling):
     dev = jax.devices("gpu")[0]
     cc = float(getattr(dev, "compute_capability", "0") or 0)
     if cc < 8.9:
@@ -396,8 +397,8 @@ def test_compiled_hlo_has_cublaslt_fp8_gemm():
     p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16),
                                __import__("eae_jax").blocks.init_swiglu(jax.random.key(0), 2048, 5632))
     x = _rand(1, (8192, 2048), 1.0, jnp.bfloat16)
-    seam = fp8.ffn_seam()
-    state = fp8.init_state(seam, [0.01, 0.01])
+    seam = fp8.ffn_seam(weight_scaling=weight_scaling)
+    state = fp8.init_state(seam, [0.01, 0.01], p)
 
     def loss(p, x):
         return jnp.sum(fp8.apply(seam, state, p, x).astype(jnp.float32) * 0.5)

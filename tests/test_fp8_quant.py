@@ -338,6 +338,50 @@ def _dot_operand_types(text):
     return out
 
 
+def test_output_scale_is_bf16_exact_and_never_shrinks_the_range():
+    rng = np.random.default_rng(0)
+    xs = np.exp(rng.uniform(-12, 4, 400)).astype(np.float32)
+    ws = np.exp(rng.uniform(-14, 2, 400)).astype(np.float32)
+    xs[:3], ws[:3] = [2.0 ** -5, 0.25, 1.0], [2.0 ** -9, 3.0, 0.0078125]  # already exact products
+    for x_s, w_s in zip(xs, ws):
+        c, xq_s = (np.float64(v) for v in quant.output_scale(jnp.float32(x_s), jnp.float32(w_s), jnp.bfloat16))
+        exact = np.float64(np.float32(x_s) * np.float32(w_s))
+        assert np.float32(c) == np.float32(ml_dtypes.bfloat16(c)), (x_s, w_s, c)  # bf16-representable
+        assert exact <= c <= exact * (1 + 2.0 ** -7), (x_s, w_s, c)
+        assert x_s <= xq_s <= x_s * (1 + 2.0 ** -7)
+        np.testing.assert_allclose(xq_s * w_s, c, rtol=1e-6)
+        if c == exact:
+            assert xq_s == x_s  # nothing to adjust: the same quantization as before
+    # per-row / per-channel scales and non-bf16 outputs are left alone
+    rows = jnp.full((4, 1), 0.3, jnp.float32)
+    c, used = quant.output_scale(rows, jnp.float32(0.7), jnp.bfloat16)
+    assert used is rows or np.array_equal(used, rows)
+    np.testing.assert_allclose(c, rows * np.float32(0.7))
+    c, used = quant.output_scale(jnp.float32(0.3), jnp.float32(0.7), jnp.float32)
+    assert float(used) == np.float32(0.3) and float(c) == float(jnp.float32(0.3) * jnp.float32(0.7))
+
+
+@pytest.mark.parametrize("weight_scaling,bf16_scaled", [("tensor", True), ("delayed", True), ("channel", False)])
+def test_per_tensor_gemm_output_is_scaled_in_bf16(weight_scaling, bf16_scaled):
+    """With per-tensor scales the fp8 GEMM's bf16 output is multiplied by a
+    bf16 scalar directly (the form XLA folds into cuBLASLt's fp8 GEMM);
+    per-channel weight scales need the float32 multiply after it."""
+    x = _rand(0, (16, 32), 1.0, jnp.bfloat16)
+    w = _rand(1, (24, 32), 0.1, jnp.float32)
+    kw = {"weight_scale": jnp.float32(0.1 / 448)} if weight_scaling == "delayed" else {}
+    jaxpr = jax.make_jaxpr(lambda x: fp8.fp8_linear(x, w, jnp.float32(0.01), weight_scaling=weight_scaling, **kw))(x)
+    eqns = list(all_eqns(jaxpr.jaxpr))
+    dot = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert len(dot) == 1
+    out = dot[0].outvars[0]
+    users = [e for e in eqns if any(v is out for v in e.invars)]
+    assert len(users) == 1
+    if bf16_scaled:
+        assert users[0].primitive.name == "mul" and users[0].outvars[0].aval.dtype == jnp.bfloat16, users[0]
+    else:
+        assert users[0].primitive.name == "convert_element_type", users[0]
+
+
 @pytest.mark.parametrize("weight_scaling", ["channel", "tensor", "delayed"])
 def test_graph_multiplies_fp8_operands_forward_and_backward(weight_scaling):
     """The seam's jaxpr/StableHLO has dot_generals whose operands ARE fp8 (not

@@ -10,7 +10,10 @@ Everything a seam multiplies goes through `fp8_linear`:
   the result afterwards. Both scale kinds factor out of the contraction
   (``sum_k x[m,k] w[n,k] = sx[m] sw[n] sum_k xq[m,k] wq[n,k]``), so they cost
   one elementwise multiply that XLA fuses into the consumer, not a second
-  GEMM.
+  GEMM. When both are per-tensor and the output is bf16, the multiply is
+  written as a bf16 GEMM output times a bf16-exact scalar (`output_scale`),
+  the form XLA's GEMM rewriter folds into cuBLASLt's fp8 GEMM as its scale,
+  so it costs nothing even where no consumer could absorb it.
 * backward: the output gradient is quantized to ``float8_e5m2`` with a
   per-tensor scale computed from its current amax ("current scaling"; or,
   given a scale from an earlier step, with that: "delayed scaling") and
@@ -199,13 +202,51 @@ def _e5m2_grad(g32: jax.Array, fold: jax.Array, bound: jax.Array):
     return quantize(g32 * fold, scale, E5M2), scale
 
 
+def _round_up_to_bf16(v: jax.Array) -> jax.Array:
+    """The smallest bfloat16-representable float32 ``>= v`` for a positive
+    finite ``v`` (bf16 is float32 with the low 16 mantissa bits zero); other
+    values unchanged."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    up = jax.lax.bitcast_convert_type((bits + np.uint32(0xFFFF)) & np.uint32(0xFFFF0000), jnp.float32)
+    return jnp.where(jnp.isfinite(v) & (v > 0) & jnp.isfinite(up), up, v)
+
+
+def output_scale(x_scale: jax.Array, w_scale: jax.Array, out_dtype: Any):
+    """The scale a per-tensor fp8 GEMM's bf16 output is multiplied by, and the
+    activation scale to quantize with so that it is exact.
+
+    For scalar ``x_scale`` and ``w_scale`` and a bfloat16 output, the product
+    is rounded up to a bfloat16 value ``c`` and the activations are quantized
+    with ``c / w_scale`` (at most 2**-8 above ``x_scale``: a hair more
+    headroom, never more saturation). The output multiply is then
+    ``acc * c`` in bfloat16 with no rounding of ``c``, the form XLA's GEMM
+    rewriter folds into cuBLASLt's fp8 GEMM as its scale, so the scaling
+    costs no pass over the output (a float32 multiply does not fold). Any
+    other case returns ``(x_scale * w_scale, x_scale)`` unchanged (per-row or
+    per-channel scales do not factor into one GEMM scale).
+
+    Returns:
+      ``(c, x_scale_to_quantize_with)``, both float32.
+    """
+    xs = jnp.asarray(x_scale, jnp.float32)
+    ws = jnp.asarray(w_scale, jnp.float32)
+    if xs.ndim or ws.ndim or jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
+        return xs * (ws if ws.ndim == 0 else ws[None, :]), xs
+    c = _round_up_to_bf16(xs * ws)
+    return c, jnp.where(c == xs * ws, xs, c / ws)
+
+
 def _linear_fwd_math(x, xs, wq, ws, out_dtype, fast):
+    """Forward of an fp8 linear: ``(y, xq, xs)`` with the activation scale
+    actually used (see `output_scale`)."""
+    c, xs = output_scale(xs, ws, out_dtype)
     xq = quantize(x, xs, E4M3)
     acc = fp8_matmul(xq, wq, gemm_out_dtype(out_dtype), precise=not fast)
-    # A scalar weight scale (per-tensor) multiplies like the activation's.
-    w_scale = ws if ws.ndim == 0 else ws[None, :]
-    y = (acc.astype(jnp.float32) * (xs * w_scale)).astype(out_dtype)
-    return y, xq
+    if c.ndim == 0 and acc.dtype == jnp.dtype(out_dtype):
+        # The bf16 multiply by an exactly representable scalar folds into the
+        # GEMM (see `output_scale`).
+        return acc * c.astype(acc.dtype), xq, xs
+    return (acc.astype(jnp.float32) * c).astype(out_dtype), xq, xs
 
 
 def quantize_weight_tensor(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
@@ -358,7 +399,7 @@ def _linear_live(x, ws, xs, gs, wsc, fast):
 
 def _linear_live_fwd(x, ws, xs, gs, wsc, fast):
     wq = _live_weight(ws, fast[3], wsc)
-    y, xq = _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])
+    y, xq, xs_used = _linear_fwd_math(x, xs, wq.q, wq.scale, x.dtype, fast[0])
     # The weight amax this call observed (delayed weight scaling): only a
     # differentiated call computes it, from the same values the quantizing
     # pass reads, so XLA can fuse the reduction into that pass.
@@ -369,7 +410,7 @@ def _linear_live_fwd(x, ws, xs, gs, wsc, fast):
     # with per-tensor weight scaling the fp8 weight dgrad reads, and the
     # weight handle with its observation.
     per_tensor = fast[3] in PER_TENSOR_WEIGHT_SCALINGS
-    return y, (xq, xs, ws, gs, jnp.zeros((0,), x.dtype), wq if per_tensor else None, (wsc, wmax))
+    return y, (xq, xs_used, ws, gs, jnp.zeros((0,), x.dtype), wq if per_tensor else None, (wsc, wmax))
 
 
 def _linear_live_bwd(fast, res, g):
@@ -390,8 +431,8 @@ def _linear_frozen(x, wq, ws, xs, gs, fast):
 
 
 def _linear_frozen_fwd(x, wq, ws, xs, gs, fast):
-    y, xq = _linear_fwd_math(x, xs, wq, ws, x.dtype, fast[0])
-    return y, (xq, xs, wq, ws, gs, jnp.zeros((0,), x.dtype))
+    y, xq, xs_used = _linear_fwd_math(x, xs, wq, ws, x.dtype, fast[0])
+    return y, (xq, xs_used, wq, ws, gs, jnp.zeros((0,), x.dtype))
 
 
 def _linear_frozen_bwd(fast, res, g):
@@ -531,8 +572,10 @@ def reference_linear(x: jax.Array, w: jax.Array, x_scale: jax.Array, weight_scal
     else:
         ws = scale_from_amax(row_amax(w)[:, 0], E4M3)
         ws_col = ws[:, None]
-    xq = np.asarray(quantize(x, x_scale, E4M3).astype(jnp.float32), np.float64)
+    # The activation scale the GEMM quantizes with (see `output_scale`).
+    xs = output_scale(x_scale, ws, x.dtype)[1]
+    xq = np.asarray(quantize(x, xs, E4M3).astype(jnp.float32), np.float64)
     wq = np.asarray(quantize(w, ws_col, E4M3).astype(jnp.float32), np.float64)
-    xs = np.asarray(jnp.asarray(x_scale, jnp.float32), np.float64)
+    xs = np.asarray(xs, np.float64)
     w_out = np.asarray(ws, np.float64) if np.ndim(ws) == 0 else np.asarray(ws, np.float64)[None, :]
     return (xq @ wq.T) * xs * w_out

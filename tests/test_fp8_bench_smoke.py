@@ -96,3 +96,26 @@ def test_ffn_rows_are_on_disk_before_a_run_is_killed(tmp_path, monkeypatch):
     names = [r["variant"] for r in res["ffn"]]
     assert names[0].startswith("bf16") and "eae fp8 static" in names and not any(n.startswith("flax") for n in names)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_fusion_probe_runs_and_its_variants_agree(tmp_path):
+    """experiments/fp8_fusion_probe.py on CPU (Pallas in interpret mode): every
+    down-GEMM variant computes the fp8 product of its own quantization, the
+    library's FFN forward matches the pre-`output_scale` one, and the Pallas
+    SwiGLU kernel writes the same fp8 codes as XLA."""
+    spec = importlib.util.spec_from_file_location(
+        "fp8_fusion_probe", os.path.join(ROOT, "experiments", "fp8_fusion_probe.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--shapes", "tiny", "--iters", "1", "--tiles", "32x512x4", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "fp8_fusion_probe.json").read_text())
+    down = {r["variant"]: r for r in res["down"]}
+    assert set(down) == {"direct", "direct-bf16mul", "dq-bf16", "dq-f32", "dq-bf16-barrier", "dq-f32-barrier"}
+    for name in ("direct", "direct-bf16mul", "dq-f32", "dq-f32-barrier"):
+        assert down[name]["rel_err"] < 8e-3, down[name]  # bf16 output rounding only
+    ffn = {r["variant"]: r for r in res["ffn"]}
+    assert ffn["bf16"]["cos"] > 0.9999
+    assert 0.99 < ffn["library"]["cos"] < 1.0 and abs(ffn["library"]["cos"] - ffn["legacy"]["cos"]) < 1e-3
+    swiglu = {r["variant"]: r for r in res["swiglu"]}
+    assert swiglu["xla-via-f16"]["codes_differing"] < 1e-3
+    assert swiglu["pallas-32x512-w4"]["codes_differing"] == 0.0, swiglu["pallas-32x512-w4"]

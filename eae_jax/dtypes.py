@@ -59,6 +59,9 @@ def parse_compute_dtype(name: Any) -> jnp.dtype:
         raise ValueError(
             f"unknown dtype {name!r}; valid names are {', '.join(COMPUTE_DTYPE_NAMES)}"
         )
+    if name is None:
+        # jnp.dtype(None) is float64: never what a caller leaving it unset means.
+        raise ValueError(f"dtype must be given; valid names are {', '.join(COMPUTE_DTYPE_NAMES)}")
     try:
         dtype = jnp.dtype(name)
     except TypeError as err:
@@ -72,9 +75,14 @@ def parse_compute_dtype(name: Any) -> jnp.dtype:
     return dtype
 
 
+def _as_dtype(dtype: Any) -> jnp.dtype:
+    # Names go through the parser so 'bf16' means what it does on command lines.
+    return parse_compute_dtype(dtype) if isinstance(dtype, str) else jnp.dtype(dtype)
+
+
 def dtype_name(dtype: Any) -> str:
     """Short canonical name of a floating dtype (``bf16``, ``fp8_e4m3`` ...)."""
-    dtype = jnp.dtype(dtype)
+    dtype = _as_dtype(dtype)
     for short in COMPUTE_DTYPE_NAMES:
         if jnp.dtype(_NAMED_DTYPES[short]) == dtype:
             return short
@@ -82,8 +90,8 @@ def dtype_name(dtype: Any) -> str:
 
 
 def is_fp8(dtype: Any) -> bool:
-    """True for the two float8 formats this library computes in."""
-    return jnp.dtype(dtype) in FP8_DTYPES
+    """True for the two float8 formats this library computes in (dtype or name)."""
+    return _as_dtype(dtype) in FP8_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,5 +164,6 @@ class DTypePolicy:
 
 
 def finfo_max(dtype: Any) -> float:
-    """Largest finite value of a floating dtype, as a Python float."""
-    return float(np.finfo(jnp.dtype(dtype)).max) if not is_fp8(dtype) else float(jnp.finfo(dtype).max)
+    """Largest finite value of a floating dtype (or dtype name), as a Python float."""
+    dtype = _as_dtype(dtype)
+    return float(np.finfo(dtype).max) if not is_fp8(dtype) else float(jnp.finfo(dtype).max)

@@ -9,6 +9,7 @@ import pytest
 
 from eae_jax import fp8
 from eae_jax.blocks import init_swiglu, rms_norm, swiglu
+from eae_jax.fp8.guards import value_stats
 from eae_jax.fp8.ledger import REASONS
 
 D, F, ROWS = 64, 128, 32
@@ -224,3 +225,16 @@ def test_frozen_weights_fall_back_and_differentiate_like_live_ones(setup):
                                                     .astype(jnp.float32) * ct)))(hs[2])
     np.testing.assert_array_equal(np.asarray(dx(frozen, hs[2]).astype(jnp.float32)),
                                   np.asarray(unguarded.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+@pytest.mark.parametrize("scale", [None, 0.01])
+@pytest.mark.parametrize("shape", [(64,), (33, 64), (2, 5, 7)])
+def test_value_stats_amax_is_nonfinite_for_any_nonfinite_element(bad, scale, shape):
+    # XLA's CPU max reduction may drop NaNs; the statistic must not rely on it.
+    x = jnp.ones(shape, jnp.bfloat16)
+    x = x.reshape(-1).at[x.size // 2].set(bad).reshape(shape)
+    amax, sat = value_stats(x, None if scale is None else jnp.float32(scale), 448.0)
+    assert not np.isfinite(float(amax))
+    clean_amax, _ = value_stats(jnp.ones(shape, jnp.bfloat16), None, 448.0)
+    assert float(clean_amax) == 1.0

@@ -161,3 +161,41 @@ def test_bind_rejects_bad_inputs():
         fp8.bind(fp8.qkv_seam(), init_attention(jax.random.key(0), D, 4, 2), hs, residuals=res)
     with pytest.raises(ValueError, match="act_scaling"):
         fp8.SeamConfig(act_scaling="dynamic")
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_bind_names_nonfinite_samples_and_weights(bad):
+    p = _ffn_params()
+    hs, _ = _samples(3)
+    with pytest.raises(ValueError, match="calibration sample 2 gives a non-finite amax at the seam input"):
+        fp8.bind(fp8.ffn_seam(), p, [hs[0], hs[1], hs[2].at[4, 7].set(bad)])
+    with pytest.raises(ValueError, match=r"weights \['w_up'\] contain NaN or inf"):
+        fp8.bind(fp8.ffn_seam(), {**p, "w_up": p["w_up"].at[0, 0].set(bad)}, hs)
+
+
+@pytest.mark.parametrize("kind", ["ffn", "qkv"])
+def test_float16_seam_forward_and_gradients_are_finite_and_close(kind):
+    """fp16 activations: the fp8 GEMMs accumulate unscaled codes (e4m3
+    products up to 448**2 each), which would overflow a float16 accumulator;
+    forward and gradients must match the float32 run of the same seam."""
+    if kind == "ffn":
+        seam, p32 = fp8.ffn_seam(), _ffn_params()
+    else:
+        seam, p32 = fp8.qkv_seam(), init_attention(jax.random.key(0), D, 4, 2)
+        p32 = {k: v for k, v in p32.items() if k in seam.weights}
+    hs, _ = _samples(1)
+    p16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), p32)
+    bound = fp8.bind(seam, p32, hs, gate_cos=0)
+
+    def loss(p, x):
+        return jnp.sum(fp8.fp8_forward(seam, p, x, bound.state.scales).astype(jnp.float32) ** 2)
+
+    y16 = fp8.fp8_forward(seam, p16, hs[0].astype(jnp.float16), bound.state.scales)
+    y32 = fp8.fp8_forward(seam, p32, hs[0], bound.state.scales)
+    assert y16.dtype == jnp.float16 and np.isfinite(np.asarray(y16, np.float32)).all()
+    assert float(fp8.cosine(y16, y32)) > 0.999
+    g16 = jax.grad(loss, argnums=(0, 1))(p16, hs[0].astype(jnp.float16))
+    g32 = jax.grad(loss, argnums=(0, 1))(p32, hs[0])
+    for a, b in zip(jax.tree_util.tree_leaves(g16), jax.tree_util.tree_leaves(g32)):
+        assert np.isfinite(np.asarray(a, np.float32)).all()
+        assert float(fp8.cosine(a, b)) > 0.99

@@ -129,6 +129,17 @@ def trace_check(contract: Contract, x) -> Optional[Tuple[str, str]]:
     return None
 
 
+def magnitude(x: jax.Array) -> jax.Array:
+    """float32 ``|x|`` with NaN mapped to +inf.
+
+    A max over it is non-finite whenever ``x`` holds a NaN or an inf, on
+    every backend: XLA's CPU max reduction may drop NaNs (its fast min/max
+    mode), so a NaN must not rely on max to propagate.
+    """
+    mag = jnp.abs(x.astype(jnp.float32))
+    return jnp.where(jnp.isnan(mag), jnp.inf, mag)
+
+
 def value_stats(x: jax.Array, scale: Optional[jax.Array], fmax: float):
     """In-graph statistics of one quantization point.
 
@@ -139,18 +150,17 @@ def value_stats(x: jax.Array, scale: Optional[jax.Array], fmax: float):
       fmax: the fp8 format's largest magnitude.
 
     Returns:
-      ``(amax, saturated_fraction)`` float32 scalars; ``amax`` is NaN/inf
-      when ``x`` holds a non-finite value (max propagates NaN).
+      ``(amax, saturated_fraction)`` float32 scalars; ``amax`` is inf
+      when ``x`` holds a NaN or an inf (see `magnitude`).
     """
     # Statistics, not values to differentiate (lax.reduce with several
     # operands has no JVP rule either).
-    mag = jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32))
+    mag = magnitude(jax.lax.stop_gradient(x))
     if scale is None:
         return jnp.max(mag), jnp.zeros((), jnp.float32)
     limit = saturation_limit(fmax) * jnp.asarray(scale, jnp.float32)
     # One variadic reduction computes both statistics in a single pass over
     # x (two separate reductions are two kernels, each reading all of x).
-    # jnp.maximum propagates NaN, which is what flags a non-finite input.
     amax, count = jax.lax.reduce(
         (mag, (mag > limit).astype(jnp.float32)), (jnp.float32(0), jnp.float32(0)),
         lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]), tuple(range(x.ndim)))

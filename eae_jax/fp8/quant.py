@@ -63,7 +63,9 @@ E5M2 = jnp.dtype(jnp.float8_e5m2)
 FP8_FORMATS = (E4M3, E5M2)
 
 #: Output dtypes the fp8 GEMM can write (cuBLASLt's fp8 kernels accept these).
-GEMM_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# float16 is not among them: an fp8 GEMM accumulates unscaled codes (e4m3
+# products reach 448**2 per term), which overflow float16's 65504 range.
+GEMM_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 #: How a live weight is scaled for the fp8 GEMM (see the module docstring).
 WEIGHT_SCALINGS = ("channel", "tensor", "delayed")
@@ -163,7 +165,8 @@ def fp8_matmul(a: jax.Array, b: jax.Array, out_dtype: Any, precise: bool = False
 
 
 def gemm_out_dtype(dtype: Any) -> jnp.dtype:
-    """The GEMM output dtype for an activation dtype (bf16/f16/f32 kept, else f32)."""
+    """The GEMM output dtype for an activation dtype (bf16/f32 kept, else f32:
+    float16 would overflow on the unscaled fp8 products)."""
     dtype = jnp.dtype(dtype)
     return dtype if dtype in GEMM_OUT_DTYPES else jnp.dtype(jnp.float32)
 

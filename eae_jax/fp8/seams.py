@@ -51,7 +51,7 @@ import numpy as np
 from eae_jax.blocks.linear import linear
 from eae_jax.blocks.swiglu import swiglu
 from eae_jax.fp8 import ledger as ledger_lib
-from eae_jax.fp8.guards import Contract, GuardRefused, trace_check, value_stats
+from eae_jax.fp8.guards import Contract, GuardRefused, magnitude, trace_check, value_stats
 from eae_jax.fp8.quant import (
     E4M3,
     E5M2,
@@ -489,12 +489,12 @@ def amax_points(seam: Seam, params: Any, x: jax.Array) -> jax.Array:
     down-projection input, computed in high precision."""
     if isinstance(params, FrozenParams):
         params = params.hp
-    a_in = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    a_in = jnp.max(magnitude(x))
     if seam.kind == "dense":
         return a_in[None]
     g = linear(x, params["w_gate"]).astype(jnp.float32)
     u = linear(x, params["w_up"]).astype(jnp.float32)
-    return jnp.stack([a_in, jnp.max(jnp.abs(jax.nn.silu(g) * u))])
+    return jnp.stack([a_in, jnp.max(magnitude(jax.nn.silu(g) * u))])
 
 
 def cosine(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -983,7 +983,9 @@ def bind(
       A `BoundSeam`.
 
     Raises:
-      ValueError: no samples, mismatched widths/residuals, bad params.
+      ValueError: no samples, mismatched widths/residuals, bad params,
+        non-finite weights or a sample with non-finite values (at the input or,
+        for the FFN, at the down-projection input).
       GateRefused: the fp8 seam's worst cosine is under the threshold.
     """
     dims = seam_dims(seam, params)
@@ -1009,6 +1011,15 @@ def bind(
 
     amax_fn = jax.jit(functools.partial(amax_points, seam))
     amax = np.stack([np.asarray(amax_fn(params, s)) for s in samples])
+    hp = params.hp if isinstance(params, FrozenParams) else params
+    bad_w = [n for n in seam.weights if not bool(jnp.all(jnp.isfinite(hp[n])))]
+    if bad_w:
+        raise ValueError(f"seam {seam.name!r}: weights {bad_w} contain NaN or inf; nothing to calibrate")
+    for i, row in enumerate(amax):
+        if not np.all(np.isfinite(row)):
+            where = "seam input" if not np.isfinite(row[0]) else "down-projection input"
+            raise ValueError(f"seam {seam.name!r}: calibration sample {i} gives a non-finite amax at the {where} "
+                             f"({row.tolist()}); calibrate on finite activations")
     reduced = reduce_amax(amax, percentile)
     calibrated = scale_from_amax(jnp.asarray(reduced), E4M3, seam.config.margin)
     used = calibrated if scales is None else jnp.asarray(scales, jnp.float32)

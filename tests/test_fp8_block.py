@@ -305,6 +305,25 @@ def test_unknown_fallback_granularity_is_named(setup):
         fp8.fp8_block(cfg, bound.seams, fallback="layer")
 
 
+@pytest.mark.parametrize("seams,expected", [("ffn", ["ffn"]), (("o", "ffn"), ["o", "ffn"]), (["qkv"], ["qkv"])])
+def test_bind_block_takes_seam_names(setup, seams, expected):
+    cfg, params, x, _ = setup
+    bound = fp8.bind_block(cfg, params, [x], seams, gate_cos=0)
+    assert list(bound.seams) == expected and set(bound.certification) == set(expected)
+
+
+@pytest.mark.parametrize("seams,match", [
+    (("ffn", "mlp"), "unknown block seam\(s\) \['mlp'\]"),
+    ({"attn": fp8.ffn_seam()}, "unknown block seam\(s\) \['attn'\]"),
+    ({"ffn": "ffn"}, "not Seam objects"),
+    ((1, 2), "seam names or a dict"),
+])
+def test_bind_block_names_bad_seams(setup, seams, match):
+    cfg, params, x, _ = setup
+    with pytest.raises(ValueError, match=match):
+        fp8.bind_block(cfg, params, [x], seams)
+
+
 def test_block_fallback_vjp_is_autodiff_on_both_branches(setup):
     cfg, params, x, bound = setup
     one = jax.tree_util.tree_map(lambda a: a[0], params)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -430,11 +430,31 @@ def _depth_of(cfg: BlockConfig, params) -> Optional[int]:
     return depth
 
 
+def _resolve_seams(seams) -> Dict[str, Seam]:
+    """`bind_block`'s ``seams``: None (all), names, or a name -> `Seam` dict."""
+    if seams is None:
+        return block_seams()
+    if isinstance(seams, str):
+        return block_seams((seams,))
+    if not isinstance(seams, Mapping):
+        names = list(seams)
+        if not all(isinstance(n, str) for n in names):
+            raise ValueError(f"seams must be seam names or a dict name -> Seam, got {seams!r}")
+        return block_seams(names)
+    unknown = [n for n in seams if n not in SEAM_NAMES]
+    if unknown:
+        raise ValueError(f"unknown block seam(s) {unknown}; expected a subset of {SEAM_NAMES}")
+    bad = [n for n, v in seams.items() if not isinstance(v, Seam)]
+    if bad:
+        raise ValueError(f"seams {bad} are not Seam objects (make them with block_seams / ffn_seam ...)")
+    return dict(seams)
+
+
 def bind_block(
     cfg: BlockConfig,
     params: Any,
     calibration_inputs: Sequence[jax.Array],
-    seams: Optional[Dict[str, Seam]] = None,
+    seams: Union[None, str, Sequence[str], Dict[str, Seam]] = None,
     *,
     percentile: float = 99.9,
     gate_cos: Optional[float] = None,
@@ -449,7 +469,8 @@ def bind_block(
       calibration_inputs: inputs of the first block, ``(batch, seq, dim)``
         each (one array or a list). Layer i is calibrated on what the
         high-precision stack feeds it.
-      seams: from `block_seams` (default: qkv, o and ffn with default config).
+      seams: from `block_seams`, or seam names (default: qkv, o and ffn
+        with default config).
       percentile: per-sample amax reduced across samples at this percentile.
       gate_cos: threshold (default each seam's ``config.gate_cos``; 0 off).
       scales: override per seam name, ``(depth, points)`` (or ``(points,)``).
@@ -466,7 +487,7 @@ def bind_block(
       GateRefused: a seam misses the gate at some layer (all failures listed).
     """
     _check_fallback(fallback)
-    seams = block_seams() if seams is None else dict(seams)
+    seams = _resolve_seams(seams)
     depth = _depth_of(cfg, params)
     stacked = params if depth is not None else jax.tree_util.tree_map(lambda a: a[None], params)
     depth = depth or 1

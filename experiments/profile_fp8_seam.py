@@ -27,6 +27,8 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
   weight scales (``weight_scaling='tensor'``).
 * ``raw-delayedw-delayed``: per-tensor weight scales from an earlier
   observation (``weight_scaling='delayed'``) and delayed gradient scales.
+* ``raw-delayedw-stats``: its forward plus the amax / saturation
+  statistics a seam call computes (forward only differs).
 * ``raw-frozen``: the same forward with weights quantized once
   (`eae_jax.fp8.quantize_weight`, inference): no per-call weight work.
 * ``raw-split`` / ``raw-split-delayed``: the same with gate and up as two
@@ -35,6 +37,8 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
 * ``eae-unguarded``: the same with ``check_values=False``.
 * ``eae-tensorw`` / ``eae-tensorw-unguarded``: both with per-tensor weight
   scales.
+* ``eae-delayedw`` / ``eae-delayedw-unguarded``: both with delayed
+  per-tensor weight scales.
 * ``flax``: ``flax.linen.Fp8DirectDotGeneralOp`` SwiGLU (when flax has it).
 
 Output: one table per variant (top kernels, microseconds per iteration) and
@@ -202,6 +206,19 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     # delayed gradient scales: no reduction ahead of any quantization.
     fn = lambda p, x_: raw_ffn(p, x_, gscales, weight_scaling="delayed")  # noqa: E731
     out.append(("raw-delayedw-delayed", fn, fb_of(fn), {**pb, "wsc": fp8.weight_scales_of(fp8.ffn_seam(), pb)}))
+    # The same forward plus the statistics a seam call takes for its ledger
+    # and checks (amax and saturated fraction at both quantization points):
+    # what they cost when XLA does not fuse them into the quantizing passes.
+    def raw_stats(p, x_):
+        wkw = [{"weight_scale": p["wsc"][i]} for i in range(2)]
+        a = fp8.fp8_linear(x_, (p["w_gate"], p["w_up"]), xs, weight_scaling="delayed", **wkw[0])
+        g, u = a[:, :f], a[:, f:]
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
+        y = fp8.fp8_linear(h, p["w_down"], hs, weight_scaling="delayed", **wkw[1])
+        return y, fp8.guards.value_stats(x_, xs, 448.0), fp8.guards.value_stats(h, hs, 448.0)
+
+    out.append(("raw-delayedw-stats", raw_stats, fb_of(lambda p, x_: raw_stats(p, x_)[0]),
+                {**pb, "wsc": fp8.weight_scales_of(fp8.ffn_seam(), pb)}))
     # Weights quantized once (inference): the forward without per-call
     # weight quantization; its backward computes dx only.
     frozen = (fp8.quant.quantize_weight_blocks((pb["w_gate"], pb["w_up"])), fp8.quantize_weight(pb["w_down"]))
@@ -217,7 +234,8 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     out.append(("raw-split-delayed", lambda p, x_: raw_split(p, x_, gscales),
                 fb_of(lambda p, x_: raw_split(p, x_, gscales)), pb))
     for label, guarded, wscale in (("eae", True, "channel"), ("eae-unguarded", False, "channel"),
-                                   ("eae-tensorw", True, "tensor"), ("eae-tensorw-unguarded", False, "tensor")):
+                                   ("eae-tensorw", True, "tensor"), ("eae-tensorw-unguarded", False, "tensor"),
+                                   ("eae-delayedw", True, "delayed"), ("eae-delayedw-unguarded", False, "delayed")):
         seam = fp8.ffn_seam(check_values=guarded, weight_scaling=wscale)
         bound = fp8.bind(seam, pb, cal, residuals=resid)
         st = bound.state

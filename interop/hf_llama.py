@@ -33,7 +33,8 @@ from eae_jax.models import LMConfig
 from interop.errors import CorruptCheckpointError, UnknownFormatError, UnsupportedConfigError
 from interop.imported import ImportedModel
 from interop.layout import HF_LM, lm_params_from_tensors, lm_tensors_from_params
-from interop.safe_load import load_safetensors_file, load_torch_file, read_json, state_dict_to_numpy
+from interop.safe_load import (atomic_target, load_safetensors_file, load_torch_file, read_json,
+                               state_dict_to_numpy)
 from interop.tensors import numpy_to_torch, require_torch, resolve_dtype
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -45,6 +46,13 @@ TORCH_INDEX = "pytorch_model.bin.index.json"
 def _rope(config: Mapping[str, Any]):
     """(theta, rope_type, extra keys) from either the v5 ``rope_parameters`` or the v4 fields."""
     params = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, Mapping) and scaling and isinstance(params, Mapping) and params:
+        # transformers 5 lets a (v4-style) rope_scaling override rope_parameters (``rope_scaling or
+        # rope_parameters``); reading rope_parameters alone would silently drop the scaling.
+        params = {**scaling, "rope_theta": scaling.get("rope_theta", params.get("rope_theta"))}
+        if params["rope_theta"] is None:
+            del params["rope_theta"]
     if isinstance(params, Mapping) and params:
         theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default"))
@@ -85,7 +93,7 @@ def lm_config_from_hf(config: Any, compute_dtype: Any = None) -> LMConfig:
         raise UnsupportedConfigError(f"Hugging Face config lacks {missing}")
     dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)
-    if config.get("hidden_act", "silu") != "silu":
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: swish is silu
         problems.append(f"hidden_act {config.get('hidden_act')!r} (only silu / SwiGLU)")
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
@@ -93,6 +101,9 @@ def lm_config_from_hf(config: Any, compute_dtype: Any = None) -> LMConfig:
     head_dim = config.get("head_dim")
     if head_dim is not None and dim % heads == 0 and int(head_dim) != dim // heads:
         problems.append(f"head_dim {head_dim} != hidden_size / num_attention_heads = {dim // heads}")
+    elif dim % heads:
+        problems.append(f"hidden_size {dim} is not a multiple of num_attention_heads {heads} (head_dim "
+                        f"{head_dim}); eae_jax blocks need head_dim = hidden_size / num_attention_heads")
     theta, rope_type, extra = _rope(config)
     if rope_type not in (None, "default"):
         problems.append(f"rope type {rope_type!r} with {extra} (only unscaled RoPE is supported)")
@@ -100,11 +111,14 @@ def lm_config_from_hf(config: Any, compute_dtype: Any = None) -> LMConfig:
         problems.append(f"partial_rotary_factor {config.get('partial_rotary_factor')}")
     if problems:
         raise UnsupportedConfigError("unsupported Hugging Face LLaMA config:\n  " + "\n  ".join(problems))
-    block = BlockConfig(
-        dim=dim, num_heads=heads, num_kv_heads=kv, ffn_hidden_dim=int(config["intermediate_size"]),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_style="half",
-        max_seq_len=int(config.get("max_position_embeddings", 2048)), compute_dtype=compute_dtype,
-    )
+    try:
+        block = BlockConfig(
+            dim=dim, num_heads=heads, num_kv_heads=kv, ffn_hidden_dim=int(config["intermediate_size"]),
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_style="half",
+            max_seq_len=int(config.get("max_position_embeddings", 2048)), compute_dtype=compute_dtype,
+        )
+    except ValueError as err:  # heads not divisible by kv heads, odd head_dim ...
+        raise UnsupportedConfigError(f"unsupported Hugging Face LLaMA config: {err}") from None
     return LMConfig(vocab_size=int(config["vocab_size"]), depth=int(config["num_hidden_layers"]), block=block,
                     tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
@@ -131,8 +145,8 @@ def hf_config_from_lm(cfg: LMConfig, base: Optional[Mapping[str, Any]] = None, d
                head_dim=b.head_dim)
     if isinstance(out.get("rope_parameters"), Mapping) or base is None:
         out["rope_parameters"] = {**dict(out.get("rope_parameters") or {}), "rope_type": "default", "rope_theta": b.rope_theta}
-    if "rope_theta" in out or base is None:
-        out["rope_theta"] = b.rope_theta
+    if "rope_theta" in out or base is None or not isinstance(out.get("rope_parameters"), Mapping):
+        out["rope_theta"] = b.rope_theta  # also for a base that recorded no RoPE base at all
     if dtype is not None:
         # transformers 5 writes "dtype", 4.x "torch_dtype"; update whichever the base uses.
         out["torch_dtype" if "torch_dtype" in out and "dtype" not in out else "dtype"] = np.dtype(dtype).name
@@ -154,10 +168,7 @@ def import_hf_state_dict(state_dict: Mapping[str, Any], config: Any, *, dtype: A
     if not isinstance(config, Mapping) and hasattr(config, "to_dict"):
         config = config.to_dict()
     cfg = lm_config_from_hf(config)
-    if all(isinstance(v, np.ndarray) for v in state_dict.values()):
-        tensors = dict(state_dict)
-    else:
-        tensors = state_dict_to_numpy(dict(state_dict), where)
+    tensors = state_dict_to_numpy(dict(state_dict), where)
     params = lm_params_from_tensors(tensors, cfg, HF_LM, resolve_dtype(dtype), where)
     meta = {"format": "hf_llama", "config": dict(config), "dtypes": sorted({str(v.dtype) for v in tensors.values()}),
             "has_tied_head_tensor": cfg.tie_embeddings and HF_LM.head in tensors}
@@ -181,12 +192,22 @@ def _load_weights(directory: str) -> Dict[str, np.ndarray]:
         if not isinstance(weight_map, dict):
             raise CorruptCheckpointError(f"{index_path}: no 'weight_map' object")
         out: Dict[str, np.ndarray] = {}
+        where_from: Dict[str, str] = {}
         for shard in sorted(set(weight_map.values())):
+            if not isinstance(shard, str) or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
+                # The index is data: it must not point outside the checkpoint directory.
+                raise CorruptCheckpointError(f"{index_path}: shard name {shard!r} is not a file inside {directory}")
             shard_path = os.path.join(directory, shard)
             if not os.path.isfile(shard_path):
                 raise CorruptCheckpointError(f"{index_path} names shard {shard!r}, which is missing")
             part = (load_safetensors_file(shard_path) if shard.endswith(".safetensors")
                     else state_dict_to_numpy(load_torch_file(shard_path), shard_path))
+            twice = sorted(k for k in part if k in out)
+            if twice:
+                raise CorruptCheckpointError(
+                    f"{index_path}: tensor(s) {twice[:8]} are in both {where_from[twice[0]]!r} and {shard!r}; "
+                    "which one is meant is ambiguous")
+            where_from.update({k: shard for k in part})
             out.update(part)
         return out
     if os.path.isfile(pt):
@@ -259,14 +280,16 @@ def save_hf(directory: str, params: Mapping[str, Any], cfg: LMConfig, *, weights
     config = hf_config_from_lm(cfg, base_config, dtype=np.asarray(params["embed"]).dtype)
     sd = hf_state_dict(params, cfg)
     os.makedirs(directory, exist_ok=True)
+    # Each file lands by one rename: a failure halfway leaves the earlier files whole.
     if weights == "safetensors":
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(directory, SAFETENSORS_NAME),
-                  metadata={"format": "pt"})
+        with atomic_target(os.path.join(directory, SAFETENSORS_NAME)) as tmp:
+            save_file({k: v.contiguous() for k, v in sd.items()}, tmp, metadata={"format": "pt"})
     else:
-        require_torch().save(sd, os.path.join(directory, TORCH_NAME))
-    with open(os.path.join(directory, "config.json"), "w") as f:
+        with atomic_target(os.path.join(directory, TORCH_NAME)) as tmp:
+            require_torch().save(sd, tmp)
+    with atomic_target(os.path.join(directory, "config.json")) as tmp, open(tmp, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
 
 

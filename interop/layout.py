@@ -148,8 +148,12 @@ def check_tensors(found: Mapping[str, Any], expected: Mapping[str, tuple], where
       optional: names that may be present (and are then shape-checked) but
         need not be.
       other: extra problems found by the caller, reported in the same error.
+
+    Expected tensors must also be floating point (an integer or bool tensor
+    is reported with its name and dtype).
     """
     optional = set(optional)
+    other = list(other)
     patterns = [re.compile(p) for p in ignore]
     missing = [k for k in expected if k not in found and k not in optional]
     unexpected, shapes = [], []
@@ -158,6 +162,11 @@ def check_tensors(found: Mapping[str, Any], expected: Mapping[str, tuple], where
             got = tuple(getattr(v, "shape", ()))
             if got != tuple(expected[k]):
                 shapes.append((k, got, tuple(expected[k])))
+            dtype = getattr(v, "dtype", None)
+            if dtype is not None and not jnp.issubdtype(np.dtype(dtype), jnp.floating):
+                # An integer / bool tensor in a weight's place would be imported as is (and a dtype=
+                # conversion would hide it): a wrong or corrupted checkpoint.
+                other.append(f"{k}: dtype {np.dtype(dtype).name}, a weight must be floating point")
         elif not any(p.search(k) for p in patterns):
             unexpected.append(k)
     err = CheckpointMismatchError(where, missing, unexpected, shapes, other)

@@ -32,6 +32,7 @@ from interop.errors import CorruptCheckpointError, UnknownFormatError, Unsupport
 from interop.imported import ImportedModel
 from interop.layout import LLAMA2C_LM, lm_params_from_tensors, lm_tensors_from_params
 from interop.safe_load import (
+    atomic_target,
     LLAMA2C_MAGIC,
     detect_format,
     file_sha256,
@@ -237,7 +238,7 @@ def load_llama2c_bin(path: str, *, dtype: Any = None) -> ImportedModel:
         offset = 256
     want = llama2c_bin_size(dim, hidden, layers, heads, kv, vocab, seq, shared, version)
     if len(data) != want:
-        kind = "truncated" if len(data) < want else "has trailing bytes"
+        kind = "is truncated" if len(data) < want else "has trailing bytes"
         raise CorruptCheckpointError(f"{path}: header says {want} bytes, the file has {len(data)}: it {kind}")
     raw: Dict[str, np.ndarray] = {}
     for name, shape in _bin_layout(dim, hidden, layers, heads, kv, vocab, seq, shared, version):
@@ -305,13 +306,15 @@ def save_llama2c_bin(path: str, params: Mapping[str, Any], cfg: LMConfig, *, ver
     else:
         header = struct.pack("<Ii7iB", LLAMA2C_MAGIC, 1, dim, hidden, layers, heads, kv, vocab, seq, int(shared))
         header += b"\0" * (256 - len(header))
-    with open(path, "wb") as f:
+    layout = _bin_layout(dim, hidden, layers, heads, kv, vocab, seq, shared, version)
+    bad = [f"{name}: shape {stacked[name].shape}, the .bin layout needs {tuple(shape)}"
+           for name, shape in layout if tuple(stacked[name].shape) != tuple(shape)]
+    if bad:
+        raise ValueError(f"{path}: nothing written: " + "; ".join(bad))
+    with atomic_target(path) as tmp, open(tmp, "wb") as f:
         f.write(header)
-        for name, shape in _bin_layout(dim, hidden, layers, heads, kv, vocab, seq, shared, version):
-            a = stacked[name]
-            if tuple(a.shape) != tuple(shape):
-                raise ValueError(f"{name}: shape {a.shape}, the .bin layout needs {shape}")
-            f.write(np.ascontiguousarray(a, dtype="<f4").tobytes())
+        for name, _ in layout:
+            f.write(np.ascontiguousarray(stacked[name], dtype="<f4").tobytes())
 
 
 def load_llama2c(path: str, *, dtype: Any = None) -> ImportedModel:

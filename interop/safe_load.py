@@ -15,11 +15,13 @@ never the extension alone, so a renamed file is still recognised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
 import struct
+import tempfile
 import zipfile
 from typing import Any, Dict
 
@@ -125,8 +127,28 @@ def load_safetensors_file(path: str) -> Dict[str, np.ndarray]:
     return {k: torch_to_numpy(v) for k, v in tensors.items()}
 
 
+@contextlib.contextmanager
+def atomic_target(path: str):
+    """Yield a temporary path next to ``path``; when the block finishes, the
+    file written there replaces ``path`` in one rename. If the block raises,
+    the temporary file is removed and ``path`` (an earlier export, say) is
+    left as it was: an export that fails halfway never leaves a partial file
+    under the real name."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def state_dict_to_numpy(sd: Any, where: str) -> Dict[str, np.ndarray]:
-    """A flat ``{name: torch.Tensor}`` mapping -> ``{name: numpy array}``.
+    """A flat ``{name: torch.Tensor}`` mapping -> ``{name: numpy array}`` (numpy / JAX
+    arrays among the values are taken as they are).
 
     Raises:
       UnknownFormatError: not a mapping of tensors (the message says what it is).
@@ -134,12 +156,15 @@ def state_dict_to_numpy(sd: Any, where: str) -> Dict[str, np.ndarray]:
     torch = require_torch()
     if not isinstance(sd, dict):
         raise UnknownFormatError(f"{where}: expected a state dict (name -> tensor), got {type(sd).__name__}")
-    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    def is_array(v):  # numpy / JAX arrays are taken as they are
+        return isinstance(v, np.ndarray) or (hasattr(v, "__array__") and hasattr(v, "dtype") and hasattr(v, "shape"))
+
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor) and not is_array(v)]
     if bad:
         raise UnknownFormatError(
             f"{where}: expected a state dict of tensors, but {len(bad)} entries are not tensors: "
             f"{', '.join(repr(b) for b in bad[:8])}")
-    return {str(k): torch_to_numpy(v) for k, v in sd.items()}
+    return {str(k): torch_to_numpy(v) if isinstance(v, torch.Tensor) else np.asarray(v) for k, v in sd.items()}
 
 
 def llama2c_bin_size(dim: int, hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, seq: int,
@@ -197,7 +222,16 @@ def detect_format(path: str) -> str:
     if len(head) >= 8:
         magic, version = struct.unpack("<Ii", head[:8])
         if magic == LLAMA2C_MAGIC:
-            if version in (1, 2):
+            if version == 1:
+                if size < 256:
+                    raise CorruptCheckpointError(
+                        f"{path}: llama2.c version-1 file of {size} bytes: its 256-byte header is truncated")
+                h = struct.unpack("<7i", head[8:36])
+                if not _plausible_v0_header(h) or h[5] <= 0:
+                    raise CorruptCheckpointError(
+                        f"{path}: llama2.c version-1 header is invalid (dim, hidden_dim, n_layers, n_heads, "
+                        f"n_kv_heads, vocab_size, seq_len = {h})")
+            if version in (1, 2):  # version 2 (Q8_0) is recognised only to be refused by name
                 return f"llama2c_bin_v{version}"
             raise UnknownFormatError(f"{path}: llama2.c magic 'ak42' with unknown version {version}")
     if len(head) >= 28:
@@ -207,11 +241,14 @@ def detect_format(path: str) -> str:
             want = llama2c_bin_size(dim, hidden, layers, heads, kv, abs(vocab), seq, vocab > 0, 0)
             if size == want:
                 return "llama2c_bin_v0"
-            if size < want:
+            if size < want or (size - want) % 4 == 0:
+                # Shorter: truncated. Longer by whole floats: a llama2.c file with data after its last
+                # tensor (another byte count would be an unrelated file whose first bytes look like a header).
                 raise CorruptCheckpointError(
                     f"{path}: llama2.c legacy header (dim={dim}, hidden_dim={hidden}, n_layers={layers}, "
                     f"n_heads={heads}, n_kv_heads={kv}, vocab_size={vocab}, seq_len={seq}) needs {want} bytes, "
-                    f"the file has {size}: it is truncated")
+                    f"the file has {size}: " + ("it is truncated" if size < want else
+                                                f"it has {size - want} trailing bytes after the last tensor"))
     shown = head[:16].hex(" ")
     raise UnknownFormatError(
         f"{path}: unknown checkpoint format ({size} bytes, first bytes {shown}); supported: a Hugging Face "

@@ -44,10 +44,12 @@ def _seed_rope_tables(head_dim: int, max_seq_len: int, theta: float):
 def infer_rope_theta(cos: Any, sin: Any, head_dim: int, where: str = "block") -> float:
     """Recover the RoPE base from a reference block's cos/sin buffers and verify it.
 
-    The angle at position 1 of frequency 1 is ``theta ** (-2 / head_dim)``;
-    a base within 1e-3 relative of an integer is snapped to it. The
-    candidate is accepted only if rebuilding the tables with it reproduces the
-    buffers (to the buffers' own precision).
+    The angle at position p of frequency j is ``p * theta ** (-2j / head_dim)``;
+    the base is estimated from it (second and last frequency, refined over
+    positions 1, 2, 4, ...). Candidates are 10000, the estimates rounded to
+    1, 2, ... significant digits, and the raw estimates; the one whose rebuilt
+    tables are closest to the buffers wins (the simplest on a tie), and only if
+    it reproduces them to the buffers' own precision.
 
     Args:
       cos, sin: torch tensors ``(max_seq_len, head_dim // 2)``.
@@ -55,37 +57,56 @@ def infer_rope_theta(cos: Any, sin: Any, head_dim: int, where: str = "block") ->
       where: name used in messages.
 
     Returns:
-      The base (10000.0 when ``head_dim == 2``: every base gives the same table then).
+      The base (10000.0 when ``head_dim == 2`` or the tables have one row: every base
+      gives the same tables then).
 
     Raises:
       UnsupportedConfigError: the tables are not plain RoPE tables of any base.
     """
     torch = require_torch()
     seq = cos.shape[0]
-    if head_dim == 2:
-        candidates = [10000.0]
-    else:
-        if seq < 2:
-            raise UnsupportedConfigError(f"{where}: RoPE tables with {seq} row(s) do not determine the base")
-        c = cos.detach().double().cpu()
-        s = sin.detach().double().cpu()
-        freq1 = math.atan2(float(s[1, 1]), float(c[1, 1]))
-        if not freq1 > 0:
-            raise UnsupportedConfigError(f"{where}: RoPE tables are not increasing rotations (angle {freq1})")
-        raw = freq1 ** (-head_dim / 2.0)
-        candidates = [float(round(raw))] if abs(raw - round(raw)) <= 1e-3 * raw else []
-        # A low-precision table (bf16 buffers) pins theta only to a few digits; try round numbers too.
-        digits = 2
-        candidates += [float(f"{raw:.{digits}g}"), raw]
+    if head_dim == 2 or seq < 2:
+        # One frequency (always 1) or one position (angle 0): every base gives the same tables.
+        return 10000.0
+    c = cos.detach().double().cpu()
+    s = sin.detach().double().cpu()
+    # Estimate the base from the angle at position 1 of the second and of the last frequency
+    # (theta ** (-2j / head_dim)); the last one is the better-conditioned estimate.
+    estimates = []
+    for j in sorted({1, head_dim // 2 - 1}):
+        freq = math.atan2(float(s[1, j]), float(c[1, j]))
+        if not freq > 0:
+            continue
+        estimates.append(freq ** (-head_dim / (2.0 * j)))
+        # Refine at positions 2, 4, 8 ...: the angle grows while the table's rounding error does not
+        # (each step unwraps with the previous estimate, whose error is far below pi there).
+        pos = 2
+        while pos < seq:
+            raw = math.atan2(float(s[pos, j]), float(c[pos, j]))
+            freq = (raw + 2 * math.pi * round((pos * freq - raw) / (2 * math.pi))) / pos
+            pos *= 2
+        if freq > 0:
+            estimates.append(freq ** (-head_dim / (2.0 * j)))
+    if not estimates:
+        raise UnsupportedConfigError(f"{where}: RoPE tables are not increasing rotations")
+    # Candidates, simplest first: the default base, then each estimate rounded to 1, 2, ... significant
+    # digits (a low-precision bf16/fp16 table pins theta only to a few digits), then the raw estimates.
+    candidates = [10000.0]
+    for raw in estimates:
+        candidates += [float(f"{raw:.{digits}g}") for digits in range(1, 10)] + [raw]
+    candidates = list(dict.fromkeys(candidates))
     tol = 0.0 if cos.dtype == torch.float32 else float(torch.finfo(cos.dtype).eps)
+    best, best_err = None, math.inf
     for cand in candidates:
         rc, rs = _seed_rope_tables(head_dim, seq, cand)
         rc, rs = rc.to(cos.dtype), rs.to(sin.dtype)
-        err = max(float((rc.double() - cos.double().cpu()).abs().max()), float((rs.double() - sin.double().cpu()).abs().max()))
-        if err <= tol * 2 + 1e-7:
-            return cand
+        err = max(float((rc.double() - c).abs().max()), float((rs.double() - s).abs().max()))
+        if err < best_err:  # strict: on a tie the simpler (earlier) candidate stays
+            best, best_err = cand, err
+    if best_err <= tol * 2 + 1e-7:
+        return best
     raise UnsupportedConfigError(
-        f"{where}: its RoPE cos/sin buffers are not the standard tables of any base near {candidates[-1]:.6g} "
+        f"{where}: its RoPE cos/sin buffers are not the standard tables of any base near {estimates[-1]:.6g} "
         "(rope scaling or edited buffers are not supported)")
 
 

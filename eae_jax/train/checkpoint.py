@@ -81,10 +81,11 @@ def save(directory: str, step: int, tree: Any, metadata: Optional[dict] = None, 
 
 
 def list_checkpoints(directory: str) -> list:
-    """Complete checkpoints in ``directory``, oldest first."""
+    """Complete checkpoints in ``directory``, oldest first (files only: a directory under a
+    checkpoint's name, say another tool's partial write, is neither resumed nor pruned)."""
     if not os.path.isdir(directory):
         return []
-    names = sorted(n for n in os.listdir(directory) if _NAME.match(n))
+    names = sorted(n for n in os.listdir(directory) if _NAME.match(n) and os.path.isfile(os.path.join(directory, n)))
     return [os.path.join(directory, n) for n in names]
 
 
@@ -92,6 +93,30 @@ def latest(directory: str) -> Optional[str]:
     """Path of the newest checkpoint, or None."""
     found = list_checkpoints(directory)
     return found[-1] if found else None
+
+
+def read_metadata(path: str) -> dict:
+    """The metadata dict of a checkpoint (reads only that entry).
+
+    Raises:
+      CheckpointError: unreadable file or metadata entry.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            raw = data[_META_KEY] if _META_KEY in data.files else np.zeros(0, np.uint8)
+    except Exception as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from err
+    return _decode_metadata(path, raw)
+
+
+def _decode_metadata(path: str, raw: np.ndarray) -> dict:
+    try:
+        meta = json.loads(bytes(raw).decode() or "{}")
+        if not isinstance(meta, dict):
+            raise ValueError(f"a {type(meta).__name__}, not a JSON object")
+    except ValueError as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointError(f"cannot read checkpoint {path}: bad metadata entry {_META_KEY}: {err}") from err
+    return meta
 
 
 def restore(path: str, template: Any) -> tuple:
@@ -112,12 +137,12 @@ def restore(path: str, template: Any) -> tuple:
             stored = {k: data[k] for k in data.files}
     except Exception as err:
         raise CheckpointError(f"cannot read checkpoint {path}: {err}") from err
-    meta = json.loads(bytes(stored.pop(_META_KEY, np.zeros(0, np.uint8))).decode() or "{}")
+    meta = _decode_metadata(path, stored.pop(_META_KEY, np.zeros(0, np.uint8)))
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
     problems, leaves = [], []
     expected_names = set()
-    for path, ref in paths_leaves:
-        name = jax.tree_util.keystr(path)
+    for key_path, ref in paths_leaves:  # not `path`: the error below names the file
+        name = jax.tree_util.keystr(key_path)
         expected_names.add(name)
         is_key = hasattr(ref, "dtype") and jnp.issubdtype(ref.dtype, jax.dtypes.prng_key)
         ref_data = jax.random.key_data(ref) if is_key else ref

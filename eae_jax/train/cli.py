@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 from eae_jax.train.config import PRESETS, TrainConfig
 
@@ -29,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "data": "token file (.npy or uint16 .bin); default: a learnable synthetic task",
         "grad_accum_dtype": "dtype gradients are accumulated in across microbatches (fp32 | bf16)",
         "devices": "number of devices for data parallelism (default: all)",
+        "grad_clip": "global-norm gradient clipping (0: none)",
+        "keep": "how many newest checkpoints to keep (0: all)",
+        "resume": "resume from the newest checkpoint in <out>/checkpoints (--no-resume refuses an <out> that has "
+                  "checkpoints rather than mixing two runs there)",
+        "out": "run directory: <out>/checkpoints and <out>/log.jsonl",
     }
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -46,11 +52,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the TrainConfig from parsed args, train, print the summary as JSON."""
+    """Build the TrainConfig from parsed args, train, print the summary as JSON.
+
+    Returns 0; 2 for a bad argument, input file, output directory,
+    checkpoint or refused fp8 seams (the message on stderr, no traceback); 1 when the run
+    diverged (non-finite loss; the last good checkpoint is kept).
+    """
+    from eae_jax.fp8 import GateRefused, GuardRefused
     from eae_jax.train.loop import train
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    summary = train(TrainConfig(**values))
+    try:
+        summary = train(TrainConfig(**values))
+    except FloatingPointError as err:
+        print(f"eae-jax train: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError
+        print(f"eae-jax train: error: {err}", file=sys.stderr)
+        return 2
+    except (GateRefused, GuardRefused) as err:  # the model's fp8 seams were refused: a verdict, not a crash
+        print(f"eae-jax train: fp8 refused: {err} (train without --dtype fp8_e4m3)", file=sys.stderr)
+        return 2
     print(json.dumps(summary))
     return 0
 

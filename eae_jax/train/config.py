@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from eae_jax.blocks.transformer import BlockConfig
@@ -103,13 +104,34 @@ class TrainConfig:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; valid: {', '.join(PRESETS)}")
         preset = PRESETS[self.preset]
-        self.batch = self.batch or preset["batch"]
-        self.seq_len = self.seq_len or preset["seq_len"]
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.microbatches < 1 or self.batch % self.microbatches:
+        # None means the preset's value; 0 or a negative number is an error, not "the default".
+        self.batch = preset["batch"] if self.batch is None else self.batch
+        self.seq_len = preset["seq_len"] if self.seq_len is None else self.seq_len
+        for name in ("steps", "batch", "seq_len", "checkpoint_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.devices is not None and self.devices < 1:
+            raise ValueError(f"devices must be >= 1 (or unset: all devices), got {self.devices}")
+        for name in ("warmup", "keep"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and (not math.isfinite(self.grad_clip) or self.grad_clip < 0):
+            raise ValueError(f"grad_clip must be a finite number > 0 (0 or unset: no clipping), got {self.grad_clip}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.batch % self.microbatches:
             raise ValueError(f"batch {self.batch} must split into microbatches={self.microbatches} equal parts")
         self.policy_obj = DTypePolicy.from_name(self.dtype)  # validates the name
+        from eae_jax.dtypes import parse_compute_dtype
+
+        try:  # validates the name before a model is built
+            parse_compute_dtype(self.grad_accum_dtype)
+        except ValueError as err:
+            raise ValueError(f"grad_accum_dtype: {err}") from err
         for field, valid in (("fp8_scaling", SCALINGS), ("fp8_fallback", FALLBACKS),
                              ("fp8_grad_scaling", GRAD_SCALINGS), ("fp8_weight_scaling", WEIGHT_SCALINGS)):
             value = getattr(self, field)

@@ -31,32 +31,53 @@ class TokenFile:
     pretokenized shards).
 
     Raises:
-      FileNotFoundError / ValueError: missing file, too short for one window,
-        or ids outside the vocabulary.
+      FileNotFoundError / ValueError: missing or unreadable file, non-integer
+        ids, too short for one window, or ids outside the vocabulary (the
+        first 2**20 ids when opened, every window when drawn).
     """
 
     def __init__(self, path: str, vocab_size: int, seq_len: int):
         if not os.path.exists(path):
             raise FileNotFoundError(f"token file {path} does not exist")
-        if path.endswith(".npy"):
-            tokens = np.load(path, mmap_mode="r")
-        else:
-            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        if not os.path.isfile(path):
+            raise ValueError(f"token file {path} is not a regular file")
+        try:
+            if path.endswith(".npy"):
+                tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+            elif os.path.getsize(path) % 2:
+                raise ValueError(f"{os.path.getsize(path)} bytes is not a whole number of uint16 tokens")
+            elif os.path.getsize(path) == 0:
+                tokens = np.zeros(0, np.uint16)  # np.memmap refuses empty files
+            else:
+                tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        except (ValueError, OSError, EOFError) as err:
+            raise ValueError(f"cannot read token file {path} (.npy, or raw uint16 .bin): {err}") from err
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"token file {path} holds {tokens.dtype} values; token ids must be integers")
         if tokens.ndim != 1:
             tokens = tokens.reshape(-1)
         if tokens.shape[0] < seq_len + 2:
             raise ValueError(f"token file {path} holds {tokens.shape[0]} tokens; one window needs {seq_len + 2}")
-        top = int(np.max(tokens[: min(tokens.shape[0], 1 << 20)]))
-        if top >= vocab_size:
-            raise ValueError(f"token file {path} has id {top} >= vocab_size {vocab_size}")
+        head = tokens[: min(tokens.shape[0], 1 << 20)]
+        self.path, self.vocab_size = path, vocab_size
+        self._check_ids(head, "")
         self.tokens, self.seq_len = tokens, seq_len
+
+    def _check_ids(self, ids: np.ndarray, where: str) -> None:
+        low, top = int(np.min(ids)), int(np.max(ids))
+        if low < 0:
+            raise ValueError(f"token file {self.path} has negative id {low}{where}")
+        if top >= self.vocab_size:
+            raise ValueError(f"token file {self.path} has id {top}{where} >= vocab_size {self.vocab_size}")
 
     def batch(self, key: jax.Array, batch: int) -> jax.Array:
         """Int32 ``(batch, seq_len + 1)`` windows at positions drawn from ``key``."""
         high = self.tokens.shape[0] - self.seq_len - 1
         starts = np.asarray(jax.random.randint(key, (batch,), 0, high))
-        rows = [np.asarray(self.tokens[s: s + self.seq_len + 1], np.int32) for s in starts]
-        return jnp.asarray(np.stack(rows))
+        rows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts])
+        # The constructor checks the first 2**20 ids only; ids past them are checked as they are drawn.
+        self._check_ids(rows, f" in a window starting at one of the offsets {sorted(set(starts.tolist()))}")
+        return jnp.asarray(rows.astype(np.int32))
 
 
 def make_batches(key: jax.Array, source: Optional[TokenFile], steps_batch: int, seq_len: int, vocab: int):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from typing import Any, NamedTuple, Optional
 
@@ -23,7 +24,7 @@ import optax
 from eae_jax.dtypes import parse_compute_dtype
 from eae_jax.models.llama import cross_entropy, init_lm, lm_stack, split_params
 from eae_jax.train import checkpoint as ckpt
-from eae_jax.train.config import TrainConfig, parse_passes
+from eae_jax.train.config import PRESETS, TrainConfig, parse_passes
 from eae_jax.train.data import TokenFile, make_batches
 
 
@@ -48,18 +49,18 @@ def segment_params(params: dict, fp8_state: Any, model) -> list:
     return [embed_p, blocks if fp8_state is None else {"params": blocks, "fp8": fp8_state}, head_p]
 
 
-def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array):
+def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array, source: Optional[TokenFile] = None):
     """Calibrate and gate fp8 seams (qkv, o, ffn of every layer) on one batch.
 
-    The calibration batch comes from the run's data stream (``key``), embedded
-    by the initial params. Raises `eae_jax.fp8.GateRefused` when a seam misses
+    The calibration batch comes from the run's data stream (``key``; the
+    token file ``source`` when given, else the synthetic task), embedded by
+    the initial params. Raises `eae_jax.fp8.GateRefused` when a seam misses
     the parity gate.
     """
     from eae_jax import fp8
     from eae_jax.models.llama import embed
-    from eae_jax.train.data import synthetic_batch
 
-    tokens = synthetic_batch(key, cfg.batch // cfg.microbatches, cfg.seq_len, model.vocab_size)[:, :-1]
+    tokens = make_batches(key, source, cfg.batch // cfg.microbatches, cfg.seq_len, model.vocab_size)[:, :-1]
     x0 = embed(params["embed"], tokens, model.block.compute_dtype)
     seams = fp8.policy_seams(cfg.policy_obj, config=fp8.SeamConfig(act_scaling=cfg.fp8_scaling,
                                                                            weight_scaling=cfg.fp8_weight_scaling))
@@ -68,8 +69,9 @@ def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array):
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW with linear warm-up and cosine decay, global-norm clipping first."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
-                                                  cfg.lr * 0.1)
+    warmup = max(cfg.warmup, 1)
+    # decay_steps counts the warm-up and must exceed it (steps=1 with warmup=0 used to raise in optax)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.1)
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
     return optax.chain(*parts, optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
@@ -189,12 +191,15 @@ def init_state(cfg: TrainConfig, model, stack, tx, bound_fp8=None, params=None) 
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), carry, k_data, fp8_state)
 
 
-def build(cfg: TrainConfig):
-    """Model, stack, optimizer, bound fp8 seams (or None) and the initial state of a run."""
+def build(cfg: TrainConfig, source: Optional[TokenFile] = None):
+    """Model, stack, optimizer, bound fp8 seams (or None) and the initial state of a run.
+
+    ``source``: the run's token file (None: the synthetic task), for the fp8 calibration batch.
+    """
     model = cfg.model()
     tx = make_optimizer(cfg)
     params = init_lm(_keys(cfg)[0], model)
-    bound = bind_fp8(cfg, model, params, jax.random.fold_in(_keys(cfg)[2], 2**31 - 1)) if cfg.fp8 else None
+    bound = bind_fp8(cfg, model, params, jax.random.fold_in(_keys(cfg)[2], 2**31 - 1), source) if cfg.fp8 else None
     stack = make_stack(cfg, model, bound)
     return model, stack, tx, bound, init_state(cfg, model, stack, tx, bound, params)
 
@@ -231,6 +236,92 @@ class JsonlLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps after ``step`` and a torn last line (atomically; a no-op when none)."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            lines = f.readlines()
+        keep = []
+        for line in lines:
+            if not line.endswith("\n"):
+                continue  # torn by a kill mid-write: the next write would glue onto it
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+                continue
+            keep.append(line)
+        if len(keep) == len(lines):
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def _kept(ckpt_dir: str) -> str:
+    latest = ckpt.latest(ckpt_dir)
+    return f"last checkpoint kept: {latest}" if latest else f"no checkpoint in {ckpt_dir} yet"
+
+
+def _prepare_out(out: str) -> str:
+    """Create ``out/checkpoints`` and check it can be written; returns its path.
+
+    Raises:
+      ValueError: ``out`` (or ``out/checkpoints``, ``out/log.jsonl``) is not what it should be.
+      PermissionError: it cannot be written.
+    """
+    ckpt_dir = os.path.join(out, "checkpoints")
+    for path, kind in ((out, "directory"), (ckpt_dir, "directory")):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"output {kind} {path} exists and is not a directory")
+    if os.path.isdir(os.path.join(out, "log.jsonl")):
+        raise ValueError(f"log file {os.path.join(out, 'log.jsonl')} is a directory")
+    try:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=ckpt_dir)
+        os.close(fd)
+        os.unlink(probe)
+        with open(os.path.join(out, "log.jsonl"), "a"):
+            pass
+    except OSError as err:
+        raise PermissionError(f"cannot write to output directory {out}: {err}") from err
+    return ckpt_dir
+
+
+#: Config fields a resumed run may change: bookkeeping, the schedule's length
+#: (extending a run), and how (not what) it computes.
+RESUME_MAY_CHANGE = ("steps", "out", "checkpoint_every", "keep", "resume", "log_every", "devices", "policy",
+                     "offload")
+
+
+def _check_resumable(cfg: TrainConfig, path: str, meta: dict) -> None:
+    """Refuse to resume a checkpoint written with another config (the fields not in `RESUME_MAY_CHANGE`)
+    or past ``cfg.steps``."""
+    saved = meta.get("config")
+    if isinstance(saved, dict):
+        now = cfg.to_dict()
+        diffs = []
+        for name in sorted(set(saved) & set(now)):  # a field older checkpoints lack is not compared
+            if name in RESUME_MAY_CHANGE or saved.get(name) == now.get(name):
+                continue
+            if name == "data" and saved.get(name) and now.get(name) and \
+                    os.path.realpath(saved[name]) == os.path.realpath(now[name]):
+                continue
+            diffs.append(f"{name}: {saved.get(name)!r} in the checkpoint, {now.get(name)!r} now")
+        if diffs:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} was written with a different config; resuming it would not continue that run:"
+                "\n  " + "\n  ".join(diffs) + "\nrerun with the checkpoint's settings, or pass a fresh --out")
+    step = meta.get("step", 0)
+    if isinstance(step, int) and step > cfg.steps:
+        raise ValueError(f"checkpoint {path} is at step {step}, past steps={cfg.steps}: pass --steps >= {step} "
+                         "to continue the run, or a fresh --out")
+
 
 def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     """Run (or resume) a training run; returns a summary dict.
@@ -242,14 +333,20 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     under ``<out>/checkpoints`` (atomic; the newest is resumed when
     ``cfg.resume``).
     """
-    model, stack, tx, bound_fp8, state = build(cfg)
-    ckpt_dir = os.path.join(cfg.out, "checkpoints")
-    resumed_from = None
-    if cfg.resume and ckpt.latest(ckpt_dir):
-        resumed_from = ckpt.latest(ckpt_dir)
+    # Fail on a bad --out or --data before building (and compiling) anything.
+    ckpt_dir = _prepare_out(cfg.out)
+    if not cfg.resume and ckpt.latest(ckpt_dir):
+        raise ValueError(f"resume is off but {ckpt_dir} already holds checkpoints (newest {ckpt.latest(ckpt_dir)}); "
+                         "a fresh run there would mix its checkpoints and log with the old run's: pass a fresh "
+                         "--out, or move the old run away")
+    resumed_from = ckpt.latest(ckpt_dir) if cfg.resume else None
+    if resumed_from:  # its config first: a mismatch names its cause rather than the shapes it changes
+        _check_resumable(cfg, resumed_from, ckpt.read_metadata(resumed_from))
+    source = TokenFile(cfg.data, PRESETS[cfg.preset]["vocab_size"], cfg.seq_len) if cfg.data else None
+    model, stack, tx, bound_fp8, state = build(cfg, source)
+    if resumed_from:
         state, _ = ckpt.restore(resumed_from, state)
         log_fn(f"resumed from {resumed_from} at step {int(state.step)}")
-    source = TokenFile(cfg.data, model.vocab_size, cfg.seq_len) if cfg.data else None
 
     mesh = _mesh(cfg.devices)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -283,7 +380,10 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     log = JsonlLog(os.path.join(cfg.out, "log.jsonl"))
     first_loss = last_loss = None
     t_last, tokens_per_step = time.perf_counter(), cfg.batch * cfg.seq_len
-    start_step = int(state.step)
+    start_step = last_logged = int(state.step)
+    # Records of steps past the checkpoint (a run killed between checkpoints)
+    # are redone by this run: drop them so every step is logged once.
+    log.truncate_after(start_step)
     last_step = cfg.steps if until is None else min(until, cfg.steps)
     for step in range(start_step, last_step):
         data_key = jax.random.fold_in(state.key, step)
@@ -308,9 +408,9 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
             metrics = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist())
                        for k, v in jax.device_get(metrics).items()}
             if not np.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"loss became {metrics['loss']} at step {done}; last checkpoint kept")
+                raise FloatingPointError(f"loss became {metrics['loss']} at step {done}; {_kept(ckpt_dir)}")
             now = time.perf_counter()
-            steps_since = done - start_step if done == start_step + 1 else cfg.log_every
+            steps_since, last_logged = done - last_logged, done
             metrics.update(step=done, seconds=now - t_last, tokens_per_s=tokens_per_step * steps_since / (now - t_last))
             t_last = now
             first_loss = metrics["loss"] if first_loss is None else first_loss
@@ -319,7 +419,19 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
             log_fn(f"step {done:>6}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
                    f"adjoint|xL| {metrics['adjoint_norm'][-1]:.3e}  {metrics['tokens_per_s']:.0f} tok/s")
         if done % cfg.checkpoint_every == 0 or done == last_step:
-            path = ckpt.save(ckpt_dir, done, jax.device_get(state), metadata={"config": cfg.to_dict()}, keep=cfg.keep)
+            host_state = jax.device_get(state)
+            # Never let a checkpoint of diverged params replace (keep=) the good ones.
+            loss = float(np.asarray(metrics["loss"]))
+            bad = [jax.tree_util.keystr(p) for p, x in
+                   jax.tree_util.tree_leaves_with_path((host_state.params, host_state.opt_state))
+                   if np.issubdtype(np.asarray(x).dtype, np.inexact) and not np.all(np.isfinite(x))]
+            if bad or not np.isfinite(loss):
+                what = [f"loss {loss}"] if not np.isfinite(loss) else []
+                if bad:
+                    what.append(f"{len(bad)} state arrays ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
+                raise FloatingPointError(f"non-finite {' and '.join(what)} at step {done}; not checkpointed; "
+                                         f"{_kept(ckpt_dir)}")
+            path = ckpt.save(ckpt_dir, done, host_state, metadata={"config": cfg.to_dict()}, keep=cfg.keep)
             log_fn(f"checkpoint {path}")
     summary = {"first_loss": first_loss, "final_loss": last_loss, "steps": last_step, "resumed_from": resumed_from,
                "out": cfg.out}

@@ -136,13 +136,15 @@ def encode_like(tree: Any, like: AdjointCarry, calls: Any = 1.0) -> AdjointCarry
       ValueError: ``tree`` does not have ``like``'s structure.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
+    hint = ("the carry does not fit this stack call: make it with this stack's init() from params and x "
+            "of the shapes the stack is called with")
     if treedef != like.treedef:
-        raise ValueError(f"carry structure changed: {treedef} vs {like.treedef}")
+        raise ValueError(f"carry structure changed ({hint}): {treedef} vs {like.treedef}")
     encoded = []
     for x, c, ref in zip(leaves, like.codecs, like.leaves):
         e = _encode_leaf(jnp.asarray(x), c)
         if e.shape != ref.shape:
-            raise ValueError(f"carry leaf shape changed from {ref.shape} to {e.shape}")
+            raise ValueError(f"carry leaf shape changed from {ref.shape} to {e.shape} ({hint})")
         encoded.append(e.astype(ref.dtype))
     return AdjointCarry(encoded, jnp.asarray(calls, jnp.float32), like.treedef, like.codecs)
 

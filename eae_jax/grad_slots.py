@@ -132,6 +132,14 @@ def _uint(dtype_or_size) -> jnp.dtype:
     return jnp.dtype({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[size])
 
 
+def _row(i):
+    """Start indices of row ``i``: both of ``i``'s integer type (with
+    ``jax_enable_x64`` a literal 0 would be int64 beside an int32 ``i``, which
+    the dynamic slice ops refuse)."""
+    i = jnp.asarray(i)
+    return (i, jnp.zeros_like(i))
+
+
 def empty_slots(p: SlotPlan, depth: int) -> Tuple[jax.Array, ...]:
     """Zeroed slot buffers, one ``(depth, elems)`` unsigned array (the width of
     the leaf's dtype) per chosen leaf."""
@@ -153,7 +161,7 @@ def pack(p: SlotPlan, boundary: jax.Array, slots: Tuple[jax.Array, ...], i) -> T
     out = []
     for buf, dtype, (off, n) in zip(slots, p.dtypes, p.chunks):
         piece = _from_words(jax.lax.slice_in_dim(raw, off // u, (off + n) // u), _uint(dtype), u)
-        out.append(jax.lax.dynamic_update_slice(buf, piece[None], (i, 0)))
+        out.append(jax.lax.dynamic_update_slice(buf, piece[None], _row(i)))
     return tuple(out)
 
 
@@ -163,7 +171,7 @@ def unpack(p: SlotPlan, slots: Tuple[jax.Array, ...], i) -> jax.Array:
     parts: List[jax.Array] = []
     for buf, dtype, (off, n) in zip(slots, p.dtypes, p.chunks):
         count = n // jnp.dtype(dtype).itemsize
-        row = jax.lax.dynamic_slice(buf, (i, 0), (1, count))[0]
+        row = jax.lax.dynamic_slice(buf, _row(i), (1, count))[0]
         parts.append(_to_words(row, u))
     raw = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
     return _from_words(raw[: p.nbytes // u], p.dtype, u).reshape(p.shape)
@@ -174,5 +182,5 @@ def store_grads(p: SlotPlan, slots: Tuple[jax.Array, ...], grad_leaves, i) -> Tu
     out = []
     for buf, dtype, k in zip(slots, p.dtypes, p.leaves):
         bits = jax.lax.bitcast_convert_type(grad_leaves[k].astype(dtype).reshape(1, -1), buf.dtype)
-        out.append(jax.lax.dynamic_update_slice(buf, bits, (i, 0)))
+        out.append(jax.lax.dynamic_update_slice(buf, bits, _row(i)))
     return tuple(out)

@@ -29,6 +29,7 @@ cotangent of an extra `AdjointCarry` argument (see `eae_jax.carry`)::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import jax
@@ -113,6 +114,12 @@ def _spec(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
 
 
+def _as_array(x):
+    """``x`` itself when it is an array (or tracer), else ``jnp.asarray(x)``
+    (a Python scalar or nested list is one input array, not a pytree)."""
+    return x if hasattr(x, "shape") and hasattr(x, "dtype") else jnp.asarray(x)
+
+
 def _fmt(spec) -> str:
     return f"{jnp.dtype(spec.dtype).name}{list(spec.shape)}"
 
@@ -128,6 +135,34 @@ def _tree_shapes(tree) -> str:
 def _norm(g: jax.Array) -> jax.Array:
     g = g.astype(jnp.float32)
     return jnp.sqrt(jnp.sum(g * g))
+
+
+def _first_order_only(h, option: str):
+    """``h``, refusing to be differentiated: a boundary stored as raw bytes in
+    gradient slots or in host memory has no derivative path back to the
+    stack's inputs, so differentiating the backward pass (a second-order
+    derivative such as ``grad`` of ``grad``) would silently drop terms (or
+    fail with a bare memory-space error). First-order use never
+    differentiates the forward rule, so this costs nothing there."""
+    if not jnp.issubdtype(h.dtype, jnp.floating):
+        return h
+    return _no_tangent(option, h)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _no_tangent(option, h):
+    return h
+
+
+@_no_tangent.defjvp
+def _no_tangent_jvp(option, primals, tangents):
+    fix = "boundaries_in_grads=False" if option == "boundaries_in_grads" else "offload=False"
+    where = "as raw bytes in gradient buffers" if option == "boundaries_in_grads" else "in host memory"
+    raise ValueError(
+        "eae_jax.reconstruct: differentiating the stack's backward pass (a higher-order derivative, e.g. grad "
+        f"of grad) is not supported with {option}: boundaries stored {where} carry no derivative. Build the "
+        f"stack with {fix} for higher-order derivatives."
+    )
 
 
 class Reconstructed:
@@ -191,7 +226,7 @@ class Reconstructed:
             boundary's shape/dtype; the message names the block and shapes.
         """
         plist = self._param_list(params)
-        h = _spec(x)
+        h = _spec(_as_array(x))
         depths, specs = [], []
         index = 0
         for seg, p in zip(self.segments, plist):
@@ -299,7 +334,7 @@ class Reconstructed:
         if self.boundary_dtype is not None and jnp.issubdtype(h.dtype, jnp.floating):
             h = h.astype(self.boundary_dtype)
         if self.offload:
-            h = offload_lib.to_host(h)
+            h = offload_lib.to_host(_first_order_only(h, "offload"))
         return h
 
     def _load(self, stored, spec):
@@ -435,7 +470,8 @@ class Reconstructed:
             hh, bufs = carry
             pp, i = xs
             y = self._call_block(seg, pp, hh, side)
-            return (y, grad_slots.pack(plan, self._store(hh), bufs, i)), None
+            stored = self._store(_first_order_only(hh, "boundaries_in_grads"))
+            return (y, grad_slots.pack(plan, stored, bufs, i)), None
 
         (h, bufs), _ = jax.lax.scan(body, (h, grad_slots.empty_slots(plan, n)), (p, jnp.arange(n, dtype=jnp.int32)))
         return h, _SlotStore(bufs)
@@ -444,11 +480,14 @@ class Reconstructed:
         h = x
         saved = []
         for seg, p in zip(self.segments, plist):
-            plan = self._slot_plan(seg, p, h)
+            # A scanned run of depth 0 (the identity) takes the plain scan:
+            # slots and the unrolled schedule need at least one block.
+            empty = seg.scanned and self._depth(seg, p) == 0
+            plan = None if empty else self._slot_plan(seg, p, h)
             if plan is not None:
                 layouts[("slots", seg.name)] = plan
                 h, res = self._slot_forward(seg, p, h, side, plan, self._depth(seg, p))
-            elif self._unrolls(seg):
+            elif self._unrolls(seg) and not empty:
                 h, res = self._unrolled_forward(seg, p, h, side, self._depth(seg, p))
             elif seg.scanned:
                 def body(hh, pp, seg=seg):
@@ -567,6 +606,31 @@ class Reconstructed:
         new_tree = {"step": step, "state": {"segments": seg_states, "top": top}, "stats": stats}
         return grads, g, carry_lib.encode_like(new_tree, carry, calls=1.0)
 
+    def _check_carry(self, carry, depths, specs):
+        """Raise ValueError when ``carry`` was made for another stack or depth
+        (the backward would otherwise fail inside its scans with a bare shape
+        error, or misread the state)."""
+        tree = jax.eval_shape(carry_lib.decode, carry)
+        hint = "make the carry with this stack's init() from params and x of the shapes the stack is called with"
+        try:
+            num = tree["stats"]["adjoint_norm"].shape[0]
+            seg_states = tree["state"]["segments"]
+        except (KeyError, TypeError, IndexError) as err:
+            raise ValueError(f"the carry was not made by Reconstructed.init ({hint})") from err
+        if num != len(specs) or len(seg_states) != len(self.segments):
+            raise ValueError(
+                f"the carry was made for a stack with {num} boundaries in {len(seg_states)} segments; this call "
+                f"has {len(specs)} boundaries in {len(self.segments)} segments (depths {depths}); {hint}"
+            )
+        for seg, n, st in zip(self.segments, depths, seg_states):
+            if seg.scanned:
+                lead = {l.shape[0] if l.ndim else None for l in jax.tree_util.tree_leaves(st)}
+                if lead - {n}:
+                    raise ValueError(
+                        f"the carry's pass state for segment {seg.name!r} covers {sorted(lead, key=str)} blocks, "
+                        f"this call has {n}; {hint}"
+                    )
+
     def _slot_scan(self, seg, p, res, g, states, idx, spec, side, step, num, plan):
         """Reverse scan whose carry holds the slot buffers: iteration i reads
         boundary i out of row i, then overwrites that row with block i's
@@ -582,7 +646,10 @@ class Reconstructed:
             h_i = grad_slots.unpack(plan, bufs, i)
             gp, gh = self._vjp_at(seg, p_i, self._load(h_i, spec), gg, float_in, side)
             leaves = jax.tree_util.tree_leaves(gp)
-            bufs = grad_slots.store_grads(plan, bufs, leaves, i)
+            # Gradients written as raw bytes into the slots: no derivative
+            # path either (refuse, see `_first_order_only`).
+            slotted = [_first_order_only(l, "boundaries_in_grads") if k in chosen else l for k, l in enumerate(leaves)]
+            bufs = grad_slots.store_grads(plan, bufs, slotted, i)
             rest = [None if k in chosen else l for k, l in enumerate(leaves)]
             gh, st_i, nin, nout = self._scan_boundary(gh, gg, st_i, b, step, num)
             return (gh, bufs), (rest, st_i, nin, nout)
@@ -644,6 +711,7 @@ class Reconstructed:
             the block.
         """
         plist = self._param_list(params)
+        x = _as_array(x)
         depths, specs = self.layout(params, x, side)
         if carry is None:
             carry = self.init(params, x, side=side)
@@ -657,6 +725,7 @@ class Reconstructed:
             return self._forward(plist, x, side, layouts)[0]
 
         def fwd(plist, x, carry, side):
+            self._check_carry(carry, depths, specs)
             y, saved = self._forward(plist, x, side, layouts)
             return y, (plist, saved, carry, side)
 
@@ -685,7 +754,8 @@ def reconstruct(
 
     Args:
       blocks: either one block function ``fn(params_i, x) -> x`` applied over
-        a stacked params tree (leading depth axis, scanned), or a sequence
+        a stacked params tree (leading depth axis, scanned; a lone `Scan`
+        means the same, with its name), or a sequence
         whose items are block functions (one block, its own params) or
         `Scan` (a scanned run of identical blocks). With a sequence, params
         is a list with one entry per item. Blocks may close over constants,
@@ -717,7 +787,9 @@ def reconstruct(
         peak memory. Applies to boundary-only storage on device (no policy,
         no offload) when a block's float params outweigh one boundary;
         otherwise boundaries are stored the ordinary way. Results are
-        identical either way.
+        identical either way. Bytes in slots (and offloaded boundaries) carry
+        no derivative: differentiating the backward pass (grad of grad)
+        raises ValueError; pass False (and no offload) for that.
 
     Returns:
       A `Reconstructed` stack.
@@ -725,8 +797,15 @@ def reconstruct(
     Raises:
       TypeError: ``blocks`` or ``passes`` of the wrong kind.
     """
-    single = callable(blocks) and not isinstance(blocks, Scan)
-    items: Sequence[Any] = [Scan(blocks)] if single else list(blocks)
+    # One block fn, or one `Scan` (a NamedTuple, not a sequence of blocks):
+    # params is the stacked tree itself.
+    single = isinstance(blocks, Scan) or callable(blocks)
+    if not single and (isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__")):
+        raise TypeError(
+            f"reconstruct: blocks must be a block function, an eae_jax.Scan or a list of them, "
+            f"got {type(blocks).__name__}"
+        )
+    items: Sequence[Any] = [blocks if isinstance(blocks, Scan) else Scan(blocks)] if single else list(blocks)
     if not items:
         raise ValueError("reconstruct needs at least one block")
     segments = []

@@ -196,15 +196,35 @@ def at_layers(pass_: Any, layers: Sequence[int]) -> AdjointTransformation:
     indices count from the output (``-1`` is boundary L). The choice is made
     with `jax.lax.cond` on the traced boundary index, so it works inside the
     scan over depth.
+
+    Raises:
+      TypeError: ``layers`` is not a sequence of Python ints.
+      ValueError (at trace time): an index outside ``[-(L+1), L]`` for a
+        stack with boundaries x0..xL (it would otherwise wrap around).
     """
+    import numbers
+
     inner = as_pass(pass_)
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"at_layers: layers must be a sequence of ints, got {layers!r}")
+    layers = tuple(layers)
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"at_layers: layers must be ints, got {i!r} in {layers!r}")
     layers = tuple(int(i) for i in layers)
 
     def init(spec, key):
         return inner.init(spec, key)
 
     def update(adjoint, state, ctx):
-        wanted = jnp.asarray([i % ctx.num_boundaries for i in layers], jnp.int32)
+        num = ctx.num_boundaries
+        bad = [i for i in layers if not -num <= i < num]
+        if bad:
+            raise ValueError(
+                f"at_layers({inner.name}): boundary indices {bad} are out of range for a stack with {num} "
+                f"boundaries (x0..x{num - 1}); use -{num} .. {num - 1}"
+            )
+        wanted = jnp.asarray([i % num for i in layers], jnp.int32)
         active = jnp.any(ctx.boundary == wanted) if layers else jnp.asarray(False)
         return jax.lax.cond(
             active,
@@ -218,10 +238,15 @@ def at_layers(pass_: Any, layers: Sequence[int]) -> AdjointTransformation:
 
 
 def every_n_steps(pass_: Any, n: int) -> AdjointTransformation:
-    """Apply ``pass_`` only on steps that are multiples of ``n``."""
+    """Apply ``pass_`` only on steps that are multiples of ``n``.
+
+    Raises:
+      TypeError / ValueError: ``n`` is not a Python int >= 1.
+    """
+    from eae_jax.passes._util import require_int
+
     inner = as_pass(pass_)
-    if n < 1:
-        raise ValueError(f"every_n_steps: n must be >= 1, got {n}")
+    n = require_int("every_n_steps", "n", n, low=1)
 
     def update(adjoint, state, ctx):
         return jax.lax.cond(

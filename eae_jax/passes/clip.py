@@ -23,10 +23,21 @@ class ClipState(NamedTuple):
     clipped: jax.Array
 
 
+def _scaled_norm(adjoint, norm):
+    """``max|g| * ||g / max|g|||`` (at least float32 precision), for an adjoint
+    whose plain float32 norm overflowed; ``norm`` when ``g`` has a NaN/Inf."""
+    w = adjoint.astype(jnp.promote_types(adjoint.dtype, jnp.float32))
+    m = jnp.max(jnp.abs(w))
+    scaled = (m * jnp.sqrt(jnp.sum(jnp.square(w / m)))).astype(jnp.float32)
+    return jnp.where(jnp.all(jnp.isfinite(w)), scaled, norm)
+
+
 def clip_by_norm(max_norm: float) -> AdjointTransformation:
     """Clip one adjoint's Euclidean norm to ``max_norm``.
 
-    The norm is computed in float32. When it exceeds ``max_norm`` the adjoint
+    The norm is computed in float32 (when that overflows for a finite
+    adjoint, it is recomputed scaled by ``max|g|``, so a huge adjoint is
+    clipped rather than zeroed). When it exceeds ``max_norm`` the adjoint
     is multiplied by ``max_norm / (norm + 1e-6)`` (the factor cast to the
     adjoint's dtype first), otherwise it is returned unchanged; this is the
     seed's ``ClipPass``. Unlike `optax.clip_by_global_norm` the bound applies
@@ -53,6 +64,10 @@ def clip_by_norm(max_norm: float) -> AdjointTransformation:
     def update(adjoint, state, ctx):
         del state, ctx
         norm = norm_f32(adjoint)
+        # A large finite adjoint (an entry above ~1.8e19, or many large ones)
+        # overflows the float32 sum of squares; an infinite norm would make the
+        # factor 0 and zero the adjoint. Recompute that norm scaled by max|g|.
+        norm = jax.lax.cond(jnp.isinf(norm), _scaled_norm, lambda a, n: n, adjoint, norm)
         clip = norm > max_norm
         factor = (max_norm / (norm + 1e-6)).astype(adjoint.dtype)
         return jnp.where(clip, adjoint * factor, adjoint), ClipState(norm, clip)

@@ -37,11 +37,16 @@ def fp8_format_max(format: str) -> float:
     return float(jnp.finfo(_FORMATS[format]).max)
 
 
+#: Largest scale used: its inverse, the dequantization factor, is the smallest
+#: normal float32 (a larger scale's inverse would be subnormal, flushed to 0).
+_MAX_SCALE = 2.0 ** 126
+
+
 def _scale_from_amax(amax, fp8_max, margin, fallback):
-    """``fp8_max / amax / 2**margin``; ``fallback`` where amax is 0 or not finite."""
+    """``min(fp8_max / amax / 2**margin, 2**126)``; ``fallback`` where amax is 0 or not finite."""
     good = jnp.isfinite(amax) & (amax > 0)
     safe = jnp.where(good, amax, jnp.ones_like(amax))
-    return jnp.where(good, (fp8_max / safe) / (2.0 ** margin), fallback)
+    return jnp.where(good, jnp.minimum((fp8_max / safe) / (2.0 ** margin), _MAX_SCALE), fallback)
 
 
 def fp8_quant(format: str = "e4m3", scaling: str = "current", history_len: int = 16,
@@ -66,6 +71,10 @@ def fp8_quant(format: str = "e4m3", scaling: str = "current", history_len: int =
       recorded as 0, i.e. ignored) and the scale for the next call is stored.
       While the history holds no positive amax (first call) the current amax
       is used. A scale whose amax is 0 or non-finite falls back to 1.0.
+      Scales are capped at ``2**126`` so that ``1 / scale`` stays a normal
+      float32: a tiny adjoint (amax below about ``fp8_max * 2**-126``) would
+      otherwise get an infinite scale or a subnormal inverse (flushed to 0)
+      and come out NaN or zero.
 
     Args:
       format: ``'e4m3'`` or ``'e5m2'``.

@@ -55,7 +55,10 @@ def int8_fake_quant() -> AdjointTransformation:
 
     In float32: ``scale = max|g| / 127``, ``q = clip(round(g / scale), -127,
     127)`` (round half to even), result ``(q * scale)`` cast back to the
-    adjoint's dtype. An all-zero adjoint is returned unchanged. This is the
+    adjoint's dtype. An all-zero adjoint is returned unchanged; a tiny one
+    (``max|g| < 127 * finfo(float32).tiny``, whose scale would be subnormal
+    and flushed to zero) is quantized scaled up by ``2**64`` and scaled
+    back, instead of turning into NaN. This is the
     seed's ``Int8QuantizationPass``; the scale it used is kept in the state
     (the seed's ``metadata['quantization_scale']``). Both divisions are
     IEEE divisions like torch's, so the result equals the seed's bit for bit
@@ -78,10 +81,17 @@ def int8_fake_quant() -> AdjointTransformation:
         max_abs = jnp.max(jnp.abs(t))
         scale = divide_exact(max_abs, 127.0)  # IEEE division, as torch does (see divide_exact)
         is_zero = max_abs == 0
+        # A tiny adjoint (max|g| < 127 * smallest normal) has a subnormal
+        # scale, which XLA flushes to 0 (then 0/0 gives NaN). Quantize it
+        # scaled up by an exact power of two and scale the result back; for
+        # every other adjoint the factor is 1 and the result bit-identical.
+        boost = jnp.where(max_abs < 127.0 * jnp.finfo(jnp.float32).tiny, jnp.float32(2.0 ** 64), jnp.float32(1.0))
+        t_b = t * boost
+        scale_b = divide_exact(max_abs * boost, 127.0)
         # A zero tensor would divide 0/0; it is returned as is, so divide by 1.
-        safe = jnp.where(is_zero, jnp.ones_like(scale), scale)
-        q = jnp.clip(jnp.round(divide_exact(t, safe)), -127.0, 127.0)
-        out = (q * safe).astype(adjoint.dtype)
+        safe = jnp.where(is_zero, jnp.ones_like(scale_b), scale_b)
+        q = jnp.clip(jnp.round(divide_exact(t_b, safe)), -127.0, 127.0)
+        out = ((q * safe) * (1.0 / boost)).astype(adjoint.dtype)
         return jnp.where(is_zero, adjoint, out), Int8State(scale)
 
     return AdjointTransformation(init, update, name)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -268,6 +269,10 @@ FFN_VARIANTS = {
     "static-d": ("static", True, False, True, "channel"), "static-u-d": ("static", False, False, True, "channel"),
     "tensorw-d": ("static", True, False, True, "tensor"), "tensorw-u-d": ("static", False, False, True, "tensor"),
     "delayedw-d": ("static", True, False, True, "delayed"), "delayedw-u-d": ("static", False, False, True, "delayed"),
+    # delayed weight scales with the weights cast to fp8 before the timed
+    # call (fp8.cast_weights: once per train step, for its forward and its
+    # recomputation); the row also times the cast with the forward.
+    "castw-d": ("static", True, False, True, "cast"), "castw-u-d": ("static", False, False, True, "cast"),
     "row": ("row", True, False, False, "channel"), "fast-bwd": ("static", True, True, False, "channel"),
 }
 
@@ -346,10 +351,11 @@ def ffn_section(args) -> List[Dict[str, Any]]:
             if args.ffn_variants and key not in args.ffn_variants:
                 continue
             seam = fp8.ffn_seam(act_scaling=mode, check_values=guarded, fast_accum_bwd=fast_bwd,
-                                grad_scaling="delayed" if delayed else "current", weight_scaling=wscale)
+                                grad_scaling="delayed" if delayed else "current",
+                                weight_scaling="delayed" if wscale == "cast" else wscale)
             name = (f"eae fp8 {mode}" + ("" if guarded else " unguarded") + (" fast-accum bwd" if fast_bwd else "")
                     + (" delayed grads" if delayed else "")
-                    + {"channel": "", "tensor": " tensor-w", "delayed": " delayed-w"}[wscale])
+                    + {"channel": "", "tensor": " tensor-w", "delayed": " delayed-w", "cast": " cast-w"}[wscale])
             try:
                 bound = fp8.bind(seam, pb, [c[1] for c in cal], residuals=[c[0] for c in cal])
             except fp8.GateRefused as err:
@@ -363,12 +369,26 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                 observed = jax.jit(fb_of(lambda s, p, x: fp8.apply(current, s, p, x), (0, 1, 2)))(st, pb, h, ct)[1][0]
                 st = fp8.fold_state(seam, st, observed)
                 fp8.require_grad_scales(seam, st)
+            extra = {}
+            if wscale == "cast":
+                # The cast and the forward in one call, for comparison; the
+                # rows below get the weights cast beforehand.
+                with_cast = timed(lambda s, p, x: fp8.apply_with_ledger(seam, fp8.cast_weights(seam, s, p), p, x),
+                                  (st, pb, h), args.warmup, args.iters)
+                extra = {"fwd_with_cast": strip(with_cast),
+                         "fwd_with_cast_speedup": bf_fwd["median_ms"] / with_cast["median_ms"],
+                         "fwd_with_cast_speedup_pipelined": bf_fwd["pipelined_ms"] / with_cast["pipelined_ms"]}
+                log(f"  {name}, cast inside the call: fwd {with_cast['median_ms']:.3f} ms "
+                    f"({extra['fwd_with_cast_speedup']:.2f}x bf16, pipelined "
+                    f"{extra['fwd_with_cast_speedup_pipelined']:.2f}x)")
+                st = jax.jit(functools.partial(fp8.cast_weights, seam))(st, pb)
             fwd = timed(lambda s, p, x: fp8.apply_with_ledger(seam, s, p, x), (st, pb, h), args.warmup, args.iters)
             y, inc = fwd["out"]
             fb = timed(fb_of(lambda s, p, x: fp8.apply(seam, s, p, x), (0, 1, 2)), (st, pb, h, ct),
                        args.warmup, args.iters)
             _, (g_state, g_p, g_x) = fb["out"]
             record(name, fwd, fb, y, g_x, g_p, {
+                **extra,
                 "fp8_calls_fwd": float(inc.fp8_calls), "fp8_calls_fb": float(g_state.ledger.fp8_calls),
                 "gate_worst_cos": bound.certification.worst_cos,
                 "gate_bare_cos": min(bound.certification.bare_cosines)})
@@ -502,14 +522,17 @@ GRAPH_CONDS = {"xla_gpu_enable_command_buffer":
 def _guard_spec(spec: str) -> tuple:
     """``'block+graphs'`` -> ``('block', GRAPH_CONDS, False, 'channel')``;
     ``'off+delayed'`` -> ``('off', None, True, 'channel')`` (delayed gradient
-    scaling); ``'+tensorw'`` / ``'+delayedw'`` set the last (per-tensor
-    weight scales, current / delayed); raises ValueError for an unknown
-    guard or suffix, or both weight suffixes."""
+    scaling); ``'+tensorw'`` / ``'+delayedw'`` / ``'+castw'`` set the last
+    (per-tensor weight scales, current / delayed / delayed with the weights
+    cast to fp8 once at the start of the step); raises ValueError for an
+    unknown guard or suffix, or two weight suffixes."""
     guard, *extras = spec.split("+")
-    if (guard not in GUARDS or any(e not in ("graphs", "delayed", "tensorw", "delayedw") for e in extras)
-            or len(set(extras)) != len(extras) or {"tensorw", "delayedw"} <= set(extras)):
+    weight_kinds = {"tensorw", "delayedw", "castw"}
+    if (guard not in GUARDS or any(e not in {"graphs", "delayed"} | weight_kinds for e in extras)
+            or len(set(extras)) != len(extras) or len(weight_kinds & set(extras)) > 1):
         raise ValueError(spec)
-    weights = "tensor" if "tensorw" in extras else "delayed" if "delayedw" in extras else "channel"
+    weights = ("tensor" if "tensorw" in extras else "delayed" if "delayedw" in extras
+               else "cast" if "castw" in extras else "channel")
     return guard, (GRAPH_CONDS if "graphs" in extras else None), "delayed" in extras, weights
 
 
@@ -557,7 +580,7 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     for spec in specs:
         guard, _, delayed, weights = _guard_spec(spec)
         b = guard_variant(bound, guard).with_grad_scaling("delayed" if delayed else "current")
-        variants[spec] = b.with_weight_scaling(weights, params)
+        variants[spec] = b.with_weight_scaling("delayed" if weights == "cast" else weights, params)
 
     stack = eae_jax.reconstruct(decoder_block(cfg))
 
@@ -565,10 +588,14 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
         loss, g = jax.value_and_grad(lambda p: jnp.mean(stack(p, x).astype(jnp.float32) * ct))(params)
         return _sgd(params, g), loss
 
-    def step_fp8_of(b):
+    def step_fp8_of(b, cast=False):
         stack8 = eae_jax.reconstruct(b.block_fn())
 
         def step_fp8(params, state, x, ct):
+            if cast:
+                # Once per step, for the forward and the recomputation.
+                state = b.cast_weights(state, params)
+
             def loss_fn(params, state):
                 return jnp.mean(stack8({"params": params, "fp8": state}, x).astype(jnp.float32) * ct)
 
@@ -585,7 +612,8 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     # Each variant trains its own copy of the params (the step donates them).
     copies = {g: jax.tree_util.tree_map(jnp.copy, params) for g in variants}
     jobs = {"bf16": (step_bf16, (params, x, ct), (0,))}
-    jobs.update({g: (step_fp8_of(b), (copies[g], b.state, x, ct), (0,), _guard_spec(g)[1])
+    jobs.update({g: (step_fp8_of(b, _guard_spec(g)[3] == "cast"), (copies[g], b.state, x, ct), (0,),
+                     _guard_spec(g)[1])
                  for g, b in variants.items()})
     built = compile_all(jobs)
 
@@ -782,7 +810,8 @@ def main(argv=None) -> Dict[str, Any]:
                          "'<guard>+graphs' compiles it with conditionals and loops inside CUDA graphs; "
                          "'<guard>+delayed' scales output gradients from the amax observed in the previous "
                          "step (delayed scaling; needs a current-scaling variant in the list); "
-                         "'<guard>+tensorw' uses per-tensor weight scales, '<guard>+delayedw' delayed per-tensor ones")
+                         "'<guard>+tensorw' uses per-tensor weight scales, '<guard>+delayedw' delayed per-tensor ones, "
+                         "'<guard>+castw' delayed ones with the weights cast to fp8 once per step")
     ap.add_argument("--train-scaling", default="delayed", choices=fp8.seams.SCALINGS,
                     help="activation scaling for the training run (delayed follows drifting activations)")
     ap.add_argument("--train-weight-scaling", default="channel", choices=fp8.quant.WEIGHT_SCALINGS,

@@ -27,6 +27,9 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
   weight scales (``weight_scaling='tensor'``).
 * ``raw-delayedw-delayed``: per-tensor weight scales from an earlier
   observation (``weight_scaling='delayed'``) and delayed gradient scales.
+* ``raw-castw-delayed``: the same with the weights cast to fp8 beforehand
+  (`eae_jax.fp8.cast_weights`, once per train step): no weight quantization
+  in the call.
 * ``raw-delayedw-stats``: its forward plus the amax / saturation
   statistics a seam call computes (forward only differs).
 * ``raw-frozen``: the same forward with weights quantized once
@@ -39,6 +42,8 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
   scales.
 * ``eae-delayedw`` / ``eae-delayedw-unguarded``: both with delayed
   per-tensor weight scales.
+* ``eae-castw-unguarded``: the unguarded seam with delayed weight scales
+  and its weights cast beforehand.
 * ``flax``: ``flax.linen.Fp8DirectDotGeneralOp`` SwiGLU (when flax has it).
 
 Output: one table per variant (top kernels, microseconds per iteration) and
@@ -217,6 +222,21 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
         y = fp8.fp8_linear(h, p["w_down"], hs, weight_scaling="delayed", **wkw[1])
         return y, fp8.guards.value_stats(x_, xs, 448.0), fp8.guards.value_stats(h, hs, 448.0)
 
+    # The same with the weights cast to fp8 beforehand (fp8.cast_weights:
+    # once per train step): the forward quantizes no weight.
+    wsc0 = fp8.weight_scales_of(fp8.ffn_seam(), pb)
+    casts = [fp8.quant.cast_weight(g, wsc0[i]) for i, g in enumerate(((pb["w_gate"], pb["w_up"]), (pb["w_down"],)))]
+
+    def raw_cast(p, x_):
+        a = fp8.fp8_linear(x_, (p["w_gate"], p["w_up"]), xs, grad_scale=gscales[0], delayed_grad=True,
+                           weight_scaling="delayed", weight_scale=p["wsc"][0], weight_cast=(p["cq"][0], p["ca"][0]))
+        g, u = a[:, :f], a[:, f:]
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
+        return fp8.fp8_linear(h, p["w_down"], hs, grad_scale=gscales[1], delayed_grad=True, weight_scaling="delayed",
+                              weight_scale=p["wsc"][1], weight_cast=(p["cq"][1], p["ca"][1]))
+
+    out.append(("raw-castw-delayed", raw_cast, fb_of(raw_cast),
+                {**pb, "wsc": wsc0, "cq": tuple(c[0] for c in casts), "ca": jnp.stack([c[1] for c in casts])}))
     out.append(("raw-delayedw-stats", raw_stats, fb_of(lambda p, x_: raw_stats(p, x_)[0]),
                 {**pb, "wsc": fp8.weight_scales_of(fp8.ffn_seam(), pb)}))
     # Weights quantized once (inference): the forward without per-call
@@ -242,6 +262,11 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
         fwd = (lambda s: lambda p, x_: fp8.apply_with_ledger(seam, s, p, x_)[0])(st)
         app = (lambda s: lambda p, x_: fp8.apply(seam, s, p, x_))(st)
         out.append((label, fwd, fb_of(app), pb))
+    # The unguarded seam given weights cast beforehand (delayed scales).
+    seam = fp8.ffn_seam(check_values=False, weight_scaling="delayed")
+    st = fp8.cast_weights(seam, fp8.bind(seam, pb, cal, residuals=resid).state, pb)
+    out.append(("eae-castw-unguarded", lambda p, x_: fp8.apply_with_ledger(seam, st, p, x_)[0],
+                fb_of(lambda p, x_: fp8.apply(seam, st, p, x_)), pb))
     try:
         import flax.linen as nn
 
@@ -292,10 +317,20 @@ def step_variants(c: Dict[str, int], guards: List[str]) -> List[tuple]:
         lambda q: jnp.mean(stack(q, x_).astype(jnp.float32) * ct_))(p), (params, x, ct))]
     bound = fp8.bind_block(cfg, params, [x_cal])
     for g in guards:
-        b = guard_variant(bound, g)
+        # '<guard>+delayedw': delayed per-tensor weight scales; '<guard>+castw':
+        # the same with the weights cast to fp8 once at the start of the step.
+        guard, *extras = g.split("+")
+        if any(e not in ("delayedw", "castw") for e in extras) or len(extras) > 1:
+            raise ValueError(f"unknown step variant {g!r}: <guard>[+delayedw|+castw]")
+        b = guard_variant(bound, guard)
+        cast = extras == ["castw"]
+        if extras:
+            b = b.with_weight_scaling("delayed", params)
         stack8 = eae_jax.reconstruct(b.block_fn())
 
-        def step(p, s, x_, ct_, stack8=stack8, b=b):
+        def step(p, s, x_, ct_, stack8=stack8, b=b, cast=cast):
+            if cast:
+                s = b.cast_weights(s, p)
             loss, (gp, gs) = jax.value_and_grad(
                 lambda q, t: jnp.mean(stack8({"params": q, "fp8": t}, x_).astype(jnp.float32) * ct_),
                 argnums=(0, 1))(p, s)
@@ -324,7 +359,7 @@ def main(argv=None) -> Dict[str, Any]:
     only = set(filter(None, args.only.split(",")))
     if args.step:
         guards = [g for g in args.guards.split(",") if g]
-        bad = [g for g in guards if g not in ("seam", "block", "step", "off")]
+        bad = [g for g in guards if g.split("+")[0] not in ("seam", "block", "step", "off")]
         if bad:
             ap.error(f"--guards: unknown {bad}; expected a comma list of seam, block, step, off")
         results = {"step": args.step, "config": STEP_CONFIGS[args.step], "backend": jax.default_backend(),

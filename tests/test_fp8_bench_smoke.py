@@ -57,13 +57,30 @@ def test_e2e_weight_scaling_variants(tmp_path, monkeypatch):
     # The '+tensorw' / '+delayedw' steps run, count every call, never clip,
     # and delayed weight scales follow the weights the steps train.
     monkeypatch.setenv("OUT", str(tmp_path))
-    res = _load().main(["--smoke", "--e2e", "--guards", "off,step+delayed+delayedw,off+tensorw",
+    res = _load().main(["--smoke", "--e2e", "--guards", "off,step+delayed+delayedw,step+delayed+castw,off+tensorw",
                         "--warmup", "0", "--iters", "1"])
     (e2e,) = res["e2e"]
-    assert set(e2e["variants"]) == {"off", "step+delayed+delayedw", "off+tensorw"}
+    assert set(e2e["variants"]) == {"off", "step+delayed+delayedw", "step+delayed+castw", "off+tensorw"}
     for g, v in e2e["variants"].items():
         assert v["calls_exact"] and v["fallbacks"] == 0 and v["fp8_fraction"] == 1.0, g
         assert v["fp8"]["lowered_fp8_dots"] > 0 and v["weight_clipped"] == 0 and v["grad_clipped"] == 0, g
+    # Casting the weights once per step changes nothing but the time.
+    v = e2e["variants"]
+    assert v["step+delayed+castw"]["fp8_loss_last"] == v["step+delayed+delayedw"]["fp8_loss_last"]
+    assert v["step+delayed+castw"]["fp8"]["calls"] == v["step+delayed+delayedw"]["fp8"]["calls"]
+
+
+def test_ffn_cast_weight_variant_matches_delayed_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    res = _load().main(["--smoke", "--ffn", "--ffn-variants", "delayedw-u-d,castw-u-d", "--no-flax",
+                        "--warmup", "0", "--iters", "1"])
+    rows = {r["variant"]: r for r in res["ffn"]}
+    cast, delayed = rows["eae fp8 static unguarded delayed grads cast-w"], \
+        rows["eae fp8 static unguarded delayed grads delayed-w"]
+    for key in ("cos_bare", "cos_boundary", "grad_cos_dx", "grad_cos_dw_min"):
+        assert cast[key] == delayed[key], key
+    assert cast["fwd"]["lowered_fp8_dots"] == 2 and cast["fb"]["lowered_fp8_dots"] == 6
+    assert cast["fwd_with_cast"]["median_ms"] > 0 and cast["fwd_with_cast"]["lowered_fp8_dots"] == 2
 
 
 def test_step_profile_runs_every_guard_variant(tmp_path):

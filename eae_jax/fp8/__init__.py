@@ -7,7 +7,8 @@ Modules, one job each:
 * `eae_jax.fp8.seams`: seams (SwiGLU FFN, fused projections), `bind`
   (calibrate, build, gate), `BoundSeam`, `Certification`, the seam state
   (activation scales, ledger, observed gradient scales for current or
-  delayed gradient scaling, delayed weight scales).
+  delayed gradient scaling, delayed weight scales, weights cast to fp8
+  once per step).
 * `eae_jax.fp8.guards`: the trace-time contract and in-graph value checks.
 * `eae_jax.fp8.ledger`: fallback counting through the VJP, `fold`,
   `report`, the host monitor (warn once, detach notice), strict mode.
@@ -40,6 +41,7 @@ from eae_jax.fp8.quant import (
 )
 from eae_jax.fp8.seams import (
     BoundSeam,
+    CastWeights,
     Certification,
     FrozenParams,
     GateRefused,
@@ -49,6 +51,7 @@ from eae_jax.fp8.seams import (
     apply,
     apply_with_ledger,
     bind,
+    cast_weights,
     cosine,
     dense_seam,
     ffn_seam,
@@ -64,9 +67,11 @@ from eae_jax.fp8.seams import (
 )
 
 __all__ = [
-    "BoundBlock", "BoundSeam", "Certification", "Contract", "E4M3", "E5M2", "Fp8FallbackWarning", "Fp8Weight",
+    "BoundBlock", "BoundSeam", "CastWeights", "Certification", "Contract", "E4M3", "E5M2", "Fp8FallbackWarning",
+    "Fp8Weight",
     "FrozenParams", "GateRefused", "GuardRefused", "Ledger", "LedgerMonitor", "REASONS", "Seam", "SeamConfig",
-    "SeamState", "apply", "apply_with_ledger", "bind", "bind_block", "block_seams", "cosine", "count",
+    "SeamState", "apply", "apply_with_ledger", "bind", "bind_block", "block_seams", "cast_weights", "cosine",
+    "count",
     "dense_seam", "dequantize", "ffn_seam", "fold", "fold_state", "fp8_block", "fp8_block_with_ledger",
     "fp8_forward", "fp8_linear", "fp8_matmul", "fp8_max", "high_precision", "init_block_state", "init_ledger",
     "init_state", "out_proj_seam", "policy_seams", "qkv_seam", "quantize", "quantize_weight", "report",

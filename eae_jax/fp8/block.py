@@ -386,6 +386,39 @@ class BoundBlock:
             state[n] = st._replace(weight_scales=w_scales, weight_clipped=jnp.zeros_like(w_scales))
         return dataclasses.replace(self, seams=seams, state=state)
 
+    def cast_weights(self, state: Dict[str, SeamState], block_params: Any) -> Dict[str, SeamState]:
+        """``state`` with every delayed-weight seam's weights cast to e4m3
+        once, every layer (`eae_jax.fp8.cast_weights`), from ``block_params``
+        (stacked like the state, or one block for a depth-1 state) in the
+        block's compute dtype, as the block's calls would quantize them.
+
+        A reconstruct train step runs every block twice (forward and
+        recomputation): casting at the start of the step quantizes each
+        weight once instead of twice, with the same results bit for bit.
+        Seams with other weight scalings keep their state. Cast again for
+        every step (``fold`` drops the bytes).
+
+        Raises:
+          ValueError: params that do not fit the block or the state's depth,
+            a delayed-weight state without weight scales.
+        """
+        stacked = block_params if _depth_of(self.cfg, block_params) is not None else \
+            jax.tree_util.tree_map(lambda a: a[None], block_params)
+        out = dict(state)
+        for n, seam in self.seams.items():
+            if seam.config.weight_scaling != "delayed":
+                continue
+            st = state[n]
+            sub = stacked["ffn" if n == "ffn" else "attn"]
+            depth = jax.tree_util.tree_leaves(sub)[0].shape[0]
+            if st.scales.shape[0] != depth:
+                raise ValueError(f"seam {n!r}: params have {depth} layer(s), the state {st.scales.shape[0]}")
+            if self.cfg.compute_dtype is not None:
+                sub = jax.tree_util.tree_map(
+                    lambda p: p.astype(self.cfg.compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, sub)
+            out[n] = jax.vmap(functools.partial(seams_lib.cast_weights, seam))(st, sub)
+        return out
+
     def fold_step(self, state: Dict[str, SeamState], grads: Dict[str, Any],
                   notify: bool = True):
         """`fold` for ``fallback='step'``: ``(new state, bad)``.
@@ -408,7 +441,7 @@ class BoundBlock:
                 def drop(obs):
                     return None if obs is None else jnp.where(bad, jnp.zeros_like(obs), obs)
                 adjusted[n] = g._replace(ledger=led, grad_scales=drop(g.grad_scales),
-                                         weight_scales=drop(g.weight_scales))
+                                         weight_scales=drop(g.weight_scales), weight_cast=None)
             else:
                 adjusted[n] = led
         return self.fold(state, adjusted, notify), bad

@@ -305,6 +305,22 @@ def quantize_weight_delayed(ws: Tuple[jax.Array, ...], scale: jax.Array) -> Fp8W
     return Fp8Weight(quantize(w, scale, E4M3), scale)
 
 
+def cast_weight(ws: Tuple[jax.Array, ...], scale: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """A live weight cast to fp8 once for every call of a step: ``(q, amax)``.
+
+    ``q`` is `quantize_weight_delayed`'s e4m3 ``concatenate(ws)`` at the
+    delayed per-tensor ``scale`` (float32 scalar) and ``amax`` the float32
+    ``max |concatenate(ws)|`` it observed (the next scale's source), both
+    from one pass over the weight. `fp8_linear` with ``weight_cast=(q,
+    amax)`` computes exactly what ``weight_scaling='delayed'`` computes from
+    ``ws`` and ``scale``, without quantizing ``ws`` again.
+
+    Raises:
+      ValueError: a block is not 2-D, or ``scale`` is not a scalar.
+    """
+    return quantize_weight_delayed(ws, scale).q, weight_amax(ws)
+
+
 def weight_amax(ws: Tuple[jax.Array, ...]) -> jax.Array:
     """float32 ``max |concatenate(ws)|`` (a per-tensor weight scale's amax)."""
     return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(w.astype(jnp.float32))) for w in ws])
@@ -428,6 +444,30 @@ def _linear_live_bwd(fast, res, g):
 _linear_live.defvjp(_linear_live_fwd, _linear_live_bwd)
 
 
+# A live weight whose e4m3 bytes ``q`` (at the delayed scale ``wsc``) and
+# amax ``wamax`` were made beforehand (`cast_weight`): the forward and the
+# backward are `_linear_live`'s in delayed weight scaling, reading ``q``
+# instead of quantizing ``ws``; ``ws`` only receives the gradient.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _linear_cast(x, ws, q, wsc, wamax, xs, gs, fast):
+    return _linear_fwd_math(x, xs, q, wsc, x.dtype, fast[0])[0]
+
+
+def _linear_cast_fwd(x, ws, q, wsc, wamax, xs, gs, fast):
+    y, xq, xs_used = _linear_fwd_math(x, xs, q, wsc, x.dtype, fast[0])
+    return y, (xq, xs_used, ws, gs, jnp.zeros((0,), x.dtype), Fp8Weight(q, wsc), (wsc, wamax))
+
+
+def _linear_cast_bwd(fast, res, g):
+    dx, dws, dxs, dgs, w_obs = _linear_live_bwd(fast, res, g)
+    q, wamax = res[5].q, res[6][1]
+    # The cast bytes and their amax are data, not functions of a parameter.
+    return dx, dws, jnp.zeros_like(q), w_obs, jnp.zeros_like(wamax), dxs, dgs
+
+
+_linear_cast.defvjp(_linear_cast_fwd, _linear_cast_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _linear_frozen(x, wq, ws, xs, gs, fast):
     return _linear_fwd_math(x, xs, wq, ws, x.dtype, fast[0])[0]
@@ -461,7 +501,7 @@ _linear_frozen.defvjp(_linear_frozen_fwd, _linear_frozen_bwd)
 def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weight], x_scale: jax.Array,
                fast_accum: Tuple[bool, bool] = (True, False), grad_scale: Any = None,
                delayed_grad: bool = False, weight_scaling: str = "channel",
-               weight_scale: Any = None) -> jax.Array:
+               weight_scale: Any = None, weight_cast: Any = None) -> jax.Array:
     """``x @ w.T`` through an fp8 GEMM, differentiable with an fp8 backward.
 
     The forward quantizes ``x / x_scale`` to e4m3 and (for a live weight)
@@ -509,6 +549,13 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
         ``amax / 448`` from an earlier step; magnitudes beyond
         ``weight_scale * 448`` saturate. Its cotangent is the weight amax
         this call observed (not a derivative, like ``grad_scale``'s).
+      weight_cast: with ``weight_scaling='delayed'`` (and only then, and a
+        live weight): ``(q, amax)`` from `cast_weight` of ``w`` at
+        ``weight_scale``, made once for every call of a step. The forward
+        multiplies ``q`` instead of quantizing ``w`` (which then only
+        receives the gradient) and ``amax`` leaves as ``weight_scale``'s
+        cotangent; the results are those of ``weight_cast=None`` bit for
+        bit as long as ``q`` was cast from this ``w``.
 
     Returns:
       ``(M, N)`` in ``x.dtype``.
@@ -518,7 +565,8 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
         input width or dtype), an ``x_scale`` / ``grad_scale`` /
         ``weight_scale`` of another shape, an unknown ``weight_scaling``,
         ``'delayed'`` without a ``weight_scale`` or a ``weight_scale``
-        without ``'delayed'``.
+        without ``'delayed'``, a ``weight_cast`` without ``'delayed'`` or of
+        another shape or dtype than ``w``'s e4m3 bytes.
     """
     if x.ndim != 2:
         raise ValueError(f"fp8_linear expects 2-D activations (M, K), got shape {x.shape}")
@@ -547,8 +595,9 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
         if gs.shape != ():
             raise ValueError(f"grad_scale must be a float32 scalar, got shape {gs.shape}")
     if blocks is None:
-        if weight_scale is not None:
-            raise ValueError("a weight_scale was given with a frozen Fp8Weight, which keeps its own scales")
+        if weight_scale is not None or weight_cast is not None:
+            raise ValueError("a weight_scale or weight_cast was given with a frozen Fp8Weight, which keeps its own "
+                             "scales (and fp8 bytes)")
         return _linear_frozen(x, w.q, w.scale, x_scale, gs, fast)
     if (weight_scaling == "delayed") != (weight_scale is not None):
         raise ValueError("weight_scaling='delayed' needs a weight_scale, and a weight_scale is only used with "
@@ -560,7 +609,20 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
         wsc = jnp.asarray(weight_scale, jnp.float32)
         if wsc.shape != ():
             raise ValueError(f"weight_scale must be a float32 scalar, got shape {wsc.shape}")
-    return _linear_live(x, blocks, x_scale, gs, wsc, fast)
+    if weight_cast is None:
+        return _linear_live(x, blocks, x_scale, gs, wsc, fast)
+    if weight_scaling != "delayed":
+        raise ValueError(f"a weight_cast needs weight_scaling='delayed' (its bytes carry the delayed scale), "
+                         f"got {weight_scaling!r}")
+    q, wamax = weight_cast
+    rows = sum(b.shape[0] for b in blocks)
+    if q.shape != (rows, x.shape[1]) or q.dtype != E4M3:
+        raise ValueError(f"weight_cast bytes must be {E4M3} of shape {(rows, x.shape[1])} (the weight's), got "
+                         f"{q.dtype} {q.shape}")
+    wamax = jnp.asarray(wamax, jnp.float32)
+    if wamax.shape != ():
+        raise ValueError(f"weight_cast amax must be a float32 scalar, got shape {wamax.shape}")
+    return _linear_cast(x, blocks, q, wsc, wamax, x_scale, gs, fast)
 
 
 def reference_linear(x: jax.Array, w: jax.Array, x_scale: jax.Array, weight_scaling: str = "channel",

@@ -57,6 +57,7 @@ from eae_jax.fp8.quant import (
     E5M2,
     WEIGHT_SCALINGS,
     Fp8Weight,
+    cast_weight,
     weight_amax,
     fp8_linear,
     fp8_max,
@@ -265,6 +266,10 @@ class SeamState(NamedTuple):
         their shape and their checkpoints).
       weight_clipped: ``(gemms,)`` float32: steps in which a weight had
         outgrown its delayed scale (its largest values saturated).
+      weight_cast: None, or the step's weights cast to fp8 once
+        (`cast_weights`, delayed weight scaling): every call of the step
+        reads them instead of quantizing its weights. They belong to one
+        step and one set of weights: `fold_state` drops them.
     """
 
     scales: jax.Array
@@ -273,6 +278,23 @@ class SeamState(NamedTuple):
     grad_clipped: Optional[jax.Array] = None
     weight_scales: Optional[jax.Array] = None
     weight_clipped: Optional[jax.Array] = None
+    weight_cast: Optional["CastWeights"] = None
+
+
+class CastWeights(NamedTuple):
+    """A seam's weights cast to e4m3 once for a step (`cast_weights`).
+
+    Attributes:
+      q: one ``(N_i, K_i)`` float8_e4m3fn array per fused GEMM (swiglu:
+        gate|up, down; dense: the concatenation), quantized at the state's
+        delayed ``weight_scales`` (any leading axes, like the state's).
+      amax: ``(gemms,)`` float32: each weight's amax, observed by the cast;
+        a differentiated call hands it out as ``weight_scales``' cotangent,
+        as an uncast delayed call does with the amax it observes.
+    """
+
+    q: Tuple[jax.Array, ...]
+    amax: jax.Array
 
 
 class FrozenParams(NamedTuple):
@@ -425,24 +447,26 @@ def _fast(seam: Seam) -> Tuple[bool, bool]:
     return (seam.config.fast_accum_fwd, seam.config.fast_accum_bwd)
 
 
-def _scale_kw(seam: Seam, grad_scales, weight_scales, i: int, group) -> dict:
+def _scale_kw(seam: Seam, grad_scales, weight_scales, i: int, group, weight_cast=None) -> dict:
     """`fp8_linear`'s scale arguments for GEMM ``i``: gradient scales (none
     without ``grad_scales``: current scaling, nothing observed) and, for a
     live weight ``group``, the config's weight scaling (with its delayed
-    scale from ``weight_scales``)."""
+    scale from ``weight_scales`` and the step's cast bytes, if any)."""
     kw = {}
     if not isinstance(group, Fp8Weight):
         kw["weight_scaling"] = seam.config.weight_scaling
         if seam.config.weight_scaling == "delayed":
             kw["weight_scale"] = weight_scales[i]
+            if weight_cast is not None:
+                kw["weight_cast"] = (weight_cast.q[i], weight_cast.amax[i])
     if grad_scales is None:
         return kw
     return {**kw, "grad_scale": grad_scales[i], "delayed_grad": seam.config.grad_scaling == "delayed"}
 
 
-def _first_gemm(seam, groups, x2, scales, grad_scales=None, weight_scales=None):
+def _first_gemm(seam, groups, x2, scales, grad_scales=None, weight_scales=None, weight_cast=None):
     a = fp8_linear(x2, groups[0], _act_scale(seam, x2, scales[0]), _fast(seam),
-                   **_scale_kw(seam, grad_scales, weight_scales, 0, groups[0]))
+                   **_scale_kw(seam, grad_scales, weight_scales, 0, groups[0], weight_cast))
     if seam.kind == "dense":
         return a
     f = a.shape[-1] // 2
@@ -452,13 +476,14 @@ def _first_gemm(seam, groups, x2, scales, grad_scales=None, weight_scales=None):
     return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x2.dtype)
 
 
-def _second_gemm(seam, groups, h, scales, grad_scales=None, weight_scales=None):
+def _second_gemm(seam, groups, h, scales, grad_scales=None, weight_scales=None, weight_cast=None):
     return fp8_linear(h, groups[1], _act_scale(seam, h, scales[1]), _fast(seam),
-                      **_scale_kw(seam, grad_scales, weight_scales, 1, groups[1]))
+                      **_scale_kw(seam, grad_scales, weight_scales, 1, groups[1], weight_cast))
 
 
 def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array,
-                grad_scales: Optional[jax.Array] = None, weight_scales: Optional[jax.Array] = None) -> jax.Array:
+                grad_scales: Optional[jax.Array] = None, weight_scales: Optional[jax.Array] = None,
+                weight_cast: Optional[CastWeights] = None) -> jax.Array:
     """The unguarded fp8 computation of the seam on ``x`` (any leading axes).
 
     No checks, no counting: what the gate measures and what benchmarks time
@@ -468,10 +493,16 @@ def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array,
     current scaling whatever the config says). ``weight_scales``
     ``(gemms,)``: the delayed weight scales (``weight_scaling='delayed'``;
     their cotangent is the observed weight amax); without them such a seam
-    uses `weight_scales_of` the given weights.
+    uses `weight_scales_of` the given weights. ``weight_cast``: the
+    weights cast at ``weight_scales`` (`cast_weights`), read instead of
+    quantizing them.
 
     Returns:
       The fused output in ``x.dtype``.
+
+    Raises:
+      ValueError: a ``weight_cast`` without delayed weight scaling, or not
+        cast from weights of these shapes.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -479,9 +510,73 @@ def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array,
     scales = jnp.asarray(scales, jnp.float32)
     if seam.config.weight_scaling == "delayed" and weight_scales is None and not isinstance(params, FrozenParams):
         weight_scales = jax.lax.stop_gradient(weight_scales_of(seam, params))
-    h = _first_gemm(seam, groups, x2, scales, grad_scales, weight_scales)
-    y = h if seam.kind == "dense" else _second_gemm(seam, groups, h, scales, grad_scales, weight_scales)
+    if weight_cast is not None:
+        _check_cast(seam, params, weight_cast, weight_scales)
+    h = _first_gemm(seam, groups, x2, scales, grad_scales, weight_scales, weight_cast)
+    y = h if seam.kind == "dense" else _second_gemm(seam, groups, h, scales, grad_scales, weight_scales, weight_cast)
     return y.reshape(lead + (y.shape[-1],))
+
+
+def _check_cast(seam: Seam, params: Any, cast: Any, weight_scales) -> None:
+    """Trace-time check of a state's `CastWeights` against the seam and
+    params it is used with (ValueError naming what does not fit)."""
+    if seam.config.weight_scaling != "delayed":
+        raise ValueError(f"seam {seam.name!r}: weights cast to fp8 (cast_weights) need weight_scaling='delayed', "
+                         f"got {seam.config.weight_scaling!r}")
+    if not isinstance(cast, CastWeights):
+        raise ValueError(f"seam {seam.name!r}: weight_cast must be a CastWeights, got {type(cast).__name__}")
+    if weight_scales is None:
+        raise ValueError(f"seam {seam.name!r}: cast weights without the weight_scales they were cast at")
+    if isinstance(params, FrozenParams):
+        return
+    groups = _groups(seam, params)
+    want = [(sum(w.shape[0] for w in g), g[0].shape[1]) for g in groups]
+    got = [tuple(q.shape) for q in cast.q]
+    if got != want or any(q.dtype != E4M3 for q in cast.q) or tuple(cast.amax.shape) != (len(groups),):
+        raise ValueError(f"seam {seam.name!r}: cast weights {got} ({[str(q.dtype) for q in cast.q]}), amax "
+                         f"{tuple(cast.amax.shape)} do not fit its weights {want} (float8_e4m3fn; amax "
+                         f"({len(groups)},)): cast them from these params with cast_weights")
+
+
+def cast_weights(seam: Seam, state: SeamState, params: Any) -> SeamState:
+    """``state`` with ``params``' weights cast to e4m3 once (`CastWeights`).
+
+    For a step that calls the seam more than once on the same weights (a
+    reconstruct train step runs every block forward twice: the forward and
+    the backward's recomputation), or wherever the weights are fixed for a
+    while: each call then multiplies the cast bytes instead of quantizing
+    its weights (one elementwise pass per weight and call saved). The
+    results are those of the uncast state bit for bit (same delayed scales,
+    same observed amax; the gradient still reaches ``params``), as long as
+    the calls get the ``params`` the bytes were cast from: cast again after
+    every update (`fold_state` drops the bytes, so a folded state cannot
+    carry stale ones into the next step).
+
+    Args:
+      seam: a seam with ``weight_scaling='delayed'`` (the bytes carry the
+        state's delayed per-tensor scales).
+      state: its `SeamState` (no leading axes; `eae_jax.fp8.BoundBlock.cast_weights`
+        casts every layer of a stack).
+      params: the weights the calls will get (high precision).
+
+    Raises:
+      ValueError: another weight scaling, a state without ``weight_scales``,
+        params that do not fit the seam, or `FrozenParams` (already fp8).
+    """
+    if seam.config.weight_scaling != "delayed":
+        raise ValueError(f"seam {seam.name!r}: cast_weights needs weight_scaling='delayed' (the bytes carry the "
+                         f"delayed per-tensor scales), got {seam.config.weight_scaling!r}")
+    if not isinstance(state, SeamState) or state.weight_scales is None:
+        raise ValueError(f"seam {seam.name!r}: cast_weights needs a state with weight_scales "
+                         "(bind / init_state(seam, scales, params))")
+    if isinstance(params, FrozenParams):
+        raise ValueError(f"seam {seam.name!r}: frozen params are quantized already; cast_weights takes live weights")
+    seam_dims(seam, params)
+    if state.weight_scales.shape != (seam.gemms,):
+        raise ValueError(f"seam {seam.name!r}: cast_weights takes one layer's state (weight_scales "
+                         f"({seam.gemms},)), got weight_scales of shape {state.weight_scales.shape}")
+    pairs = [cast_weight(g, state.weight_scales[i]) for i, g in enumerate(_groups(seam, params))]
+    return state._replace(weight_cast=CastWeights(tuple(q for q, _ in pairs), jnp.stack([a for _, a in pairs])))
 
 
 def amax_points(seam: Seam, params: Any, x: jax.Array) -> jax.Array:
@@ -589,13 +684,16 @@ def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=Non
     # that).
     x2 = x.reshape(-1, width)
     groups = _groups(seam, params)
+    cast = state.weight_cast
+    if cast is not None:
+        _check_cast(seam, params, cast, state.weight_scales)
     amax_in, sat_in = value_stats(x2, scales[0] if static else None, fmax)
-    h = _first_gemm(seam, groups, x2, scales, state.grad_scales, state.weight_scales)
+    h = _first_gemm(seam, groups, x2, scales, state.grad_scales, state.weight_scales, cast)
     if seam.kind == "dense":
         y2, amax_h, sat_h = h, None, None
     else:
         amax_h, sat_h = value_stats(h, scales[1] if static else None, fmax)
-        y2 = _second_gemm(seam, groups, h, scales, state.grad_scales, state.weight_scales)
+        y2 = _second_gemm(seam, groups, h, scales, state.grad_scales, state.weight_scales, cast)
     y8 = y2.reshape(lead + (y2.shape[-1],))
     amax = amax_in[None] if amax_h is None else jnp.stack([amax_in, amax_h])
     if not cfg.check_values:
@@ -778,6 +876,7 @@ def fold_state(seam: Seam, state: SeamState, inc: Any) -> SeamState:
         over = seen & (weight_scales > 0) & (weight_obs > weight_scales * _rounding_limit(E4M3))
         w_clipped = (jnp.zeros_like(weight_scales) if w_clipped is None else w_clipped) + over.astype(jnp.float32)
         weight_scales = jnp.where(seen, scale_from_amax(weight_obs, E4M3), weight_scales)
+    # Cast weights (if any) are not carried over: the next step's weights differ.
     return SeamState(scales, new_ledger, grad_scales, clipped, weight_scales, w_clipped)
 
 
@@ -928,7 +1027,12 @@ class BoundSeam:
         """The unguarded fp8 computation with this seam's (or ``state``'s) scales."""
         st = state or self.state
         return split_output(self.seam, params, fp8_forward(self.seam, params, x, st.scales,
-                                                           weight_scales=st.weight_scales))
+                                                           weight_scales=st.weight_scales,
+                                                           weight_cast=st.weight_cast))
+
+    def cast_weights(self, state: SeamState, params: Any) -> SeamState:
+        """`cast_weights` for this seam."""
+        return cast_weights(self.seam, state, params)
 
     def freeze(self, params: dict) -> FrozenParams:
         """Quantize the weights once for inference (see `FrozenParams`)."""

@@ -90,6 +90,10 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
     """
     accum_dtype = parse_compute_dtype(cfg.grad_accum_dtype)
     step_fallback = bound_fp8 is not None and bound_fp8.fallback == "step"
+    # Delayed weight scales: each microbatch casts the weights to fp8 once
+    # for its forward and its recomputation (same results bit for bit as
+    # quantizing them in every block call, half the weight passes).
+    cast = bound_fp8 is not None and any(sm.config.weight_scaling == "delayed" for sm in bound_fp8.seams.values())
 
     def loss_fn(params, fp8_state, carry, tokens):
         logits = stack(segment_params(params, fp8_state if bound_fp8 is not None else None, model),
@@ -102,6 +106,8 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
         def micro(acc, mb_tokens):
             grads_acc, fp8_acc, carry = acc
             fp8_state = state.fp8 if step_fallback else fp8_acc
+            if cast:
+                fp8_state = bound_fp8.cast_weights(fp8_state, state.params["blocks"])
             loss, (grads, g_fp8, g_carry) = grad_fn(state.params, fp8_state, carry, mb_tokens)
             carry, stats = stack.update(carry, g_carry, strict=False)
             if step_fallback:
@@ -161,8 +167,9 @@ def _add_observations(acc, g_fp8):
         def peak(x, y):
             return None if x is None else jnp.maximum(x, y)
 
-        summed = jax.tree_util.tree_map(jnp.add, a._replace(grad_scales=None, weight_scales=None),
-                                        g._replace(grad_scales=None, weight_scales=None))
+        # (the cast weights' cotangent is no observation: zeros, dropped)
+        summed = jax.tree_util.tree_map(jnp.add, a._replace(grad_scales=None, weight_scales=None, weight_cast=None),
+                                        g._replace(grad_scales=None, weight_scales=None, weight_cast=None))
         out[n] = summed._replace(grad_scales=peak(a.grad_scales, g.grad_scales),
                                  weight_scales=peak(a.weight_scales, g.weight_scales))
     return out

@@ -209,8 +209,9 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
         out.append((label, fn, fb_of(fn), pb))
     # Delayed per-tensor weight scales (weight_scaling='delayed'), with
     # delayed gradient scales: no reduction ahead of any quantization.
+    wsc0 = fp8.weight_scales_of(fp8.ffn_seam(), pb)
     fn = lambda p, x_: raw_ffn(p, x_, gscales, weight_scaling="delayed")  # noqa: E731
-    out.append(("raw-delayedw-delayed", fn, fb_of(fn), {**pb, "wsc": fp8.weight_scales_of(fp8.ffn_seam(), pb)}))
+    out.append(("raw-delayedw-delayed", fn, fb_of(fn), {**pb, "wsc": wsc0}))
     # The same forward plus the statistics a seam call takes for its ledger
     # and checks (amax and saturated fraction at both quantization points):
     # what they cost when XLA does not fuse them into the quantizing passes.
@@ -224,7 +225,6 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
 
     # The same with the weights cast to fp8 beforehand (fp8.cast_weights:
     # once per train step): the forward quantizes no weight.
-    wsc0 = fp8.weight_scales_of(fp8.ffn_seam(), pb)
     casts = [fp8.quant.cast_weight(g, wsc0[i]) for i, g in enumerate(((pb["w_gate"], pb["w_up"]), (pb["w_down"],)))]
 
     def raw_cast(p, x_):
@@ -238,7 +238,7 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     out.append(("raw-castw-delayed", raw_cast, fb_of(raw_cast),
                 {**pb, "wsc": wsc0, "cq": tuple(c[0] for c in casts), "ca": jnp.stack([c[1] for c in casts])}))
     out.append(("raw-delayedw-stats", raw_stats, fb_of(lambda p, x_: raw_stats(p, x_)[0]),
-                {**pb, "wsc": fp8.weight_scales_of(fp8.ffn_seam(), pb)}))
+                {**pb, "wsc": wsc0}))
     # Weights quantized once (inference): the forward without per-call
     # weight quantization; its backward computes dx only.
     frozen = (fp8.quant.quantize_weight_blocks((pb["w_gate"], pb["w_up"])), fp8.quantize_weight(pb["w_down"]))

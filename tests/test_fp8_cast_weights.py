@@ -138,6 +138,10 @@ def test_cast_weights_refuses_what_it_cannot_cast():
         fp8.apply(seam, state._replace(weight_cast=foreign.weight_cast), params, x)
     # A channel-scaled seam given a state with cast bytes.
     cast = fp8.cast_weights(seam, state, params)
+    # Bytes without the scales they were cast at (fp8_forward would otherwise
+    # take scales from the weights, which need not be the bytes' scales).
+    with pytest.raises(ValueError, match="without the weight_scales they were cast at"):
+        fp8.fp8_forward(seam, params, x, state.scales, weight_cast=cast.weight_cast)
     with pytest.raises(ValueError, match="need weight_scaling='delayed'"):
         fp8.apply(channel, cast._replace(weight_scales=None), params, x)
 

@@ -88,13 +88,19 @@ def policy_seams(policy: Any, which: Sequence[str] = SEAM_NAMES, **config_fields
     return block_seams(which, **config_fields)
 
 
+def _cast_params(cfg: BlockConfig, params):
+    """The plain block's compute-dtype cast of its (float) params."""
+    if cfg.compute_dtype is None:
+        return params
+    return jax.tree_util.tree_map(
+        lambda p: p.astype(cfg.compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
 def _cast(cfg: BlockConfig, params, x):
     """The plain block's compute-dtype cast (params and input)."""
     if cfg.compute_dtype is None:
         return params, x
-    params = jax.tree_util.tree_map(
-        lambda p: p.astype(cfg.compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
-    return params, x.astype(cfg.compute_dtype)
+    return _cast_params(cfg, params), x.astype(cfg.compute_dtype)
 
 
 def _hp(name: str, sub: dict, h: jax.Array):
@@ -376,8 +382,7 @@ class BoundBlock:
                 continue
             if params is None:
                 raise ValueError(f"seam {n!r}: delayed weight scaling starts from the weights' scales; pass params")
-            stacked = params if _depth_of(self.cfg, params) is not None else \
-                jax.tree_util.tree_map(lambda a: a[None], params)
+            stacked = _as_stacked(self.cfg, params)
             w_scales = jax.vmap(functools.partial(seams_lib.weight_scales_of, seams[n]))(
                 stacked["ffn" if n == "ffn" else "attn"])
             if w_scales.shape[0] != st.scales.shape[0]:
@@ -402,8 +407,7 @@ class BoundBlock:
           ValueError: params that do not fit the block or the state's depth,
             a delayed-weight state without weight scales.
         """
-        stacked = block_params if _depth_of(self.cfg, block_params) is not None else \
-            jax.tree_util.tree_map(lambda a: a[None], block_params)
+        stacked = _as_stacked(self.cfg, block_params)
         out = dict(state)
         for n, seam in self.seams.items():
             if seam.config.weight_scaling != "delayed":
@@ -413,10 +417,7 @@ class BoundBlock:
             depth = jax.tree_util.tree_leaves(sub)[0].shape[0]
             if st.scales.shape[0] != depth:
                 raise ValueError(f"seam {n!r}: params have {depth} layer(s), the state {st.scales.shape[0]}")
-            if self.cfg.compute_dtype is not None:
-                sub = jax.tree_util.tree_map(
-                    lambda p: p.astype(self.cfg.compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, sub)
-            out[n] = jax.vmap(functools.partial(seams_lib.cast_weights, seam))(st, sub)
+            out[n] = jax.vmap(functools.partial(seams_lib.cast_weights, seam))(st, _cast_params(self.cfg, sub))
         return out
 
     def fold_step(self, state: Dict[str, SeamState], grads: Dict[str, Any],
@@ -461,6 +462,11 @@ def _depth_of(cfg: BlockConfig, params) -> Optional[int]:
     depth = int(scale.shape[0])
     check_block_params(params, cfg, leading=(depth,), where="stacked block")
     return depth
+
+
+def _as_stacked(cfg: BlockConfig, params):
+    """Block params with a leading depth axis (one block gets depth 1)."""
+    return params if _depth_of(cfg, params) is not None else jax.tree_util.tree_map(lambda a: a[None], params)
 
 
 def _resolve_seams(seams) -> Dict[str, Seam]:

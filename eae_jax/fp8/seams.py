@@ -508,10 +508,11 @@ def fp8_forward(seam: Seam, params: Any, x: jax.Array, scales: jax.Array,
     x2 = x.reshape(-1, k)
     groups = _groups(seam, params)
     scales = jnp.asarray(scales, jnp.float32)
+    if weight_cast is not None:
+        # Before the default below: bytes are only valid with the scales they were cast at.
+        _check_cast(seam, params, weight_cast, weight_scales)
     if seam.config.weight_scaling == "delayed" and weight_scales is None and not isinstance(params, FrozenParams):
         weight_scales = jax.lax.stop_gradient(weight_scales_of(seam, params))
-    if weight_cast is not None:
-        _check_cast(seam, params, weight_cast, weight_scales)
     h = _first_gemm(seam, groups, x2, scales, grad_scales, weight_scales, weight_cast)
     y = h if seam.kind == "dense" else _second_gemm(seam, groups, h, scales, grad_scales, weight_scales, weight_cast)
     return y.reshape(lead + (y.shape[-1],))

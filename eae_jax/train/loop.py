@@ -90,8 +90,8 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
     """
     accum_dtype = parse_compute_dtype(cfg.grad_accum_dtype)
     step_fallback = bound_fp8 is not None and bound_fp8.fallback == "step"
-    # Delayed weight scales: each microbatch casts the weights to fp8 once
-    # for its forward and its recomputation (same results bit for bit as
+    # Delayed weight scales: the weights are cast to fp8 once for a
+    # microbatch's forward and recomputation (same results bit for bit as
     # quantizing them in every block call, half the weight passes).
     cast = bound_fp8 is not None and any(sm.config.weight_scaling == "delayed" for sm in bound_fp8.seams.values())
 
@@ -103,11 +103,16 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
 
     def step(state: TrainState, tokens: jax.Array):
+        # With the step guard every microbatch uses the step's state: cast once.
+        step_fp8 = bound_fp8.cast_weights(state.fp8, state.params["blocks"]) if cast and step_fallback else state.fp8
+
         def micro(acc, mb_tokens):
             grads_acc, fp8_acc, carry = acc
-            fp8_state = state.fp8 if step_fallback else fp8_acc
-            if cast:
-                fp8_state = bound_fp8.cast_weights(fp8_state, state.params["blocks"])
+            if step_fallback:
+                fp8_state = step_fp8
+            else:
+                # fold moves the weight scales after each microbatch: cast at the current ones.
+                fp8_state = bound_fp8.cast_weights(fp8_acc, state.params["blocks"]) if cast else fp8_acc
             loss, (grads, g_fp8, g_carry) = grad_fn(state.params, fp8_state, carry, mb_tokens)
             carry, stats = stack.update(carry, g_carry, strict=False)
             if step_fallback:

@@ -13,6 +13,10 @@ Timing: every function is jitted, compiled once (compile time reported), run
 each call; the median is reported ("ms", latency: includes the host's launch
 of the call). "pipe ms" is throughput: ``--iters`` calls dispatched back to
 back and synchronised once, median of 3 rounds (what a training loop sees).
+"graph" (FFN section) is throughput of ``--graph-copies`` calls inside one
+jitted function, each on its own input and its own parameters (nothing
+computed once for all copies), per call: the seam as one layer
+of a larger program, with no host dispatch per call.
 Train steps feed their outputs back (real steps, params donated).
 
 What "fp8" means here: `eae_jax.fp8` seams (e4m3 forward GEMMs on
@@ -166,6 +170,41 @@ def timed(fn: Callable, args: tuple, warmup: int, iters: int, feed: Optional[Cal
             "out": out, "args": args}
 
 
+def repeated(fn: Callable, args: tuple, vary: int, copies: int):
+    """``(run, run_args)``: ``run(*run_args)`` is ``copies`` calls of ``fn``
+    (see `in_graph`), returning their outputs as a list."""
+    if copies < 1 or not 0 <= vary < len(args):
+        raise ValueError(f"need copies >= 1 and 0 <= vary < {len(args)}, got copies={copies}, vary={vary}")
+    xs = tuple(jnp.roll(args[vary], i, axis=0) for i in range(copies))
+    rests = (args[:vary] + args[vary + 1:],) * copies
+
+    def run(rests_, xs_):
+        return [fn(*r[:vary], x, *r[vary:]) for r, x in zip(rests_, xs_)]
+
+    return run, (rests, xs)
+
+
+def in_graph(fn: Callable, args: tuple, vary: int, copies: int, warmup: int, iters: int) -> Dict[str, Any]:
+    """Time ``copies`` calls of ``fn`` inside one jitted function: how the
+    call runs as part of a larger program (a layer of a train step), with no
+    host dispatch between calls.
+
+    Call ``i`` gets ``args[vary]`` rolled by ``i`` rows (same values, so the
+    same scales and saturation) and its own parameters for the other
+    arguments (the same buffers passed once per call): XLA cannot compute
+    anything once for all copies, as it would for one set of weights (their
+    quantization would be shared; an ``optimization_barrier`` does not stop
+    that, CSE runs after barriers are expanded). Returns `timed`'s record
+    with ``per_call_ms`` (median latency / copies) and
+    ``per_call_pipelined_ms`` (throughput / copies).
+    """
+    rec = timed(*repeated(fn, args, vary, copies), warmup, iters)
+    rec["copies"] = copies
+    rec["per_call_ms"] = rec["median_ms"] / copies
+    rec["per_call_pipelined_ms"] = rec["pipelined_ms"] / copies
+    return rec
+
+
 def cos(a, b) -> float:
     return float(fp8.cosine(jnp.asarray(a), jnp.asarray(b)))
 
@@ -310,15 +349,24 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                 return jax.value_and_grad(loss, argnums=argnums)(*a)
             return fb
 
+        def graph(fn, a, vary):
+            # `in_graph` timing (``--graph-copies`` 0: off), outputs dropped.
+            if not args.graph_copies:
+                return None
+            return strip(in_graph(fn, a, vary, args.graph_copies, args.warmup, args.iters))
+
         bf_fwd = timed(swiglu, (pb, h), args.warmup, args.iters)
         bf_fb = timed(fb_of(swiglu, (0, 1)), (pb, h, ct), args.warmup, args.iters)
+        bf_gfwd = graph(swiglu, (pb, h), 1)
+        bf_gfb = graph(fb_of(swiglu, (0, 1)), (pb, h, ct), 1)
         g_bf = bf_fb["out"][1]
         base = {"shape": [m, d, f]}
         rows.append({**base, "variant": "bf16 (eae_jax swiglu)", "fwd": strip(bf_fwd), "fb": strip(bf_fb),
-                     "cos_bare": 1.0, "cos_boundary": 1.0, "cos_bare_vs_f32": cos(y_bf16, y_f32)})
+                     "graph_fwd": bf_gfwd, "graph_fb": bf_gfb, "cos_bare": 1.0, "cos_boundary": 1.0, "cos_bare_vs_f32": cos(y_bf16, y_f32)})
 
-        def record(name, fwd, fb, y, grads_dx=None, grads_w=None, extra=None):
+        def record(name, fwd, fb, y, grads_dx=None, grads_w=None, extra=None, gfwd=None, gfb=None):
             r = {**base, "variant": name, "fwd": strip(fwd) if fwd else None, "fb": strip(fb) if fb else None,
+                 "graph_fwd": gfwd, "graph_fb": gfb,
                  "cos_bare": cos(y, y_bf16),
                  "cos_boundary": cos(resid.astype(jnp.float32) + y.astype(jnp.float32),
                                      resid.astype(jnp.float32) + y_bf16.astype(jnp.float32)),
@@ -331,6 +379,9 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                 r["fb_speedup"] = bf_fb["median_ms"] / fb["median_ms"]
                 r["fb_speedup_pipelined"] = bf_fb["pipelined_ms"] / fb["pipelined_ms"]
                 r["fb_tflops"] = 3 * flops / fb["median_ms"] / 1e9
+            for key, mine, bf in (("graph_fwd_speedup", gfwd, bf_gfwd), ("graph_fb_speedup", gfb, bf_gfb)):
+                if mine and bf:
+                    r[key] = bf["per_call_pipelined_ms"] / mine["per_call_pipelined_ms"]
             if grads_dx is not None:
                 r["grad_cos_dx"] = cos(grads_dx, g_bf[1])
             if grads_w is not None:
@@ -343,6 +394,8 @@ def ffn_section(args) -> List[Dict[str, Any]]:
         log(f"  bf16: fwd {bf_fwd['median_ms']:.3f} ms, fwd+bwd {bf_fb['median_ms']:.3f} ms")
         rows[-1]["fwd_speedup"] = rows[-1]["fb_speedup"] = 1.0
         rows[-1]["fwd_speedup_pipelined"] = rows[-1]["fb_speedup_pipelined"] = 1.0
+        if bf_gfwd:
+            rows[-1]["graph_fwd_speedup"] = rows[-1]["graph_fb_speedup"] = 1.0
         rows[-1]["fwd_tflops"] = flops / bf_fwd["median_ms"] / 1e9
         rows[-1]["fb_tflops"] = 3 * flops / bf_fb["median_ms"] / 1e9
 
@@ -373,11 +426,17 @@ def ffn_section(args) -> List[Dict[str, Any]]:
             if wscale == "cast":
                 # The cast and the forward in one call, for comparison; the
                 # rows below get the weights cast beforehand.
-                with_cast = timed(lambda s, p, x: fp8.apply_with_ledger(seam, fp8.cast_weights(seam, s, p), p, x),
-                                  (st, pb, h), args.warmup, args.iters)
-                extra = {"fwd_with_cast": strip(with_cast),
+                def fwd_cast(s, p, x):
+                    return fp8.apply_with_ledger(seam, fp8.cast_weights(seam, s, p), p, x)
+
+                with_cast = timed(fwd_cast, (st, pb, h), args.warmup, args.iters)
+                g_cast = graph(fwd_cast, (st, pb, h), 2)
+                extra = {"fwd_with_cast": strip(with_cast), "graph_fwd_with_cast": g_cast,
                          "fwd_with_cast_speedup": bf_fwd["median_ms"] / with_cast["median_ms"],
                          "fwd_with_cast_speedup_pipelined": bf_fwd["pipelined_ms"] / with_cast["pipelined_ms"]}
+                if g_cast and bf_gfwd:
+                    extra["graph_fwd_with_cast_speedup"] = (bf_gfwd["per_call_pipelined_ms"]
+                                                            / g_cast["per_call_pipelined_ms"])
                 log(f"  {name}, cast inside the call: fwd {with_cast['median_ms']:.3f} ms "
                     f"({extra['fwd_with_cast_speedup']:.2f}x bf16, pipelined "
                     f"{extra['fwd_with_cast_speedup_pipelined']:.2f}x)")
@@ -386,12 +445,14 @@ def ffn_section(args) -> List[Dict[str, Any]]:
             y, inc = fwd["out"]
             fb = timed(fb_of(lambda s, p, x: fp8.apply(seam, s, p, x), (0, 1, 2)), (st, pb, h, ct),
                        args.warmup, args.iters)
+            gfwd = graph(lambda s, p, x: fp8.apply_with_ledger(seam, s, p, x), (st, pb, h), 2)
+            gfb = graph(fb_of(lambda s, p, x: fp8.apply(seam, s, p, x), (0, 1, 2)), (st, pb, h, ct), 2)
             _, (g_state, g_p, g_x) = fb["out"]
             record(name, fwd, fb, y, g_x, g_p, {
                 **extra,
                 "fp8_calls_fwd": float(inc.fp8_calls), "fp8_calls_fb": float(g_state.ledger.fp8_calls),
                 "gate_worst_cos": bound.certification.worst_cos,
-                "gate_bare_cos": min(bound.certification.bare_cosines)})
+                "gate_bare_cos": min(bound.certification.bare_cosines)}, gfwd, gfb)
             if key in ("static", "static-u"):
                 # Inference: weights quantized once (per channel), no
                 # per-call weight work; forward only.
@@ -423,8 +484,10 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                 fwd = timed(lambda v, x, *w: mod.apply(v, x, *w), (variables, h) + ws, args.warmup, args.iters)
                 fb = timed(fb_fn, (variables, h) + ws + (ct,), args.warmup, args.iters)
                 g = fb["out"][1]
+                gfwd = graph(lambda v, x, *w: mod.apply(v, x, *w), (variables, h) + ws, 1)
+                gfb = graph(fb_fn, (variables, h) + ws + (ct,), 1)
                 record(f"flax {op_name}", fwd, fb, fwd["out"], g[1],
-                       {"w_gate": g[2], "w_up": g[3], "w_down": g[4]})
+                       {"w_gate": g[2], "w_up": g[3], "w_down": g[4]}, gfwd=gfwd, gfb=gfb)
                 log(f"  flax {op_name}: fwd {fwd['median_ms']:.3f} ms, fwd+bwd {fb['median_ms']:.3f} ms")
             except Exception as err:  # report and keep going: flax is the comparison, not the subject
                 rows.append({**base, "variant": f"flax {op_name}", "error": f"{type(err).__name__}: {err}"})
@@ -438,6 +501,8 @@ def ffn_section(args) -> List[Dict[str, Any]]:
         ("f+b x", lambda r: r.get("fb_speedup")),
         ("pipe fwd x", lambda r: r.get("fwd_speedup_pipelined")),
         ("pipe f+b x", lambda r: r.get("fb_speedup_pipelined")),
+        ("graph fwd x", lambda r: r.get("graph_fwd_speedup")),
+        ("graph f+b x", lambda r: r.get("graph_fb_speedup")),
         ("cos bare", lambda r: r.get("cos_bare")),
         ("dx cos", lambda r: r.get("grad_cos_dx")),
         ("dw cos", lambda r: r.get("grad_cos_dw_min")),
@@ -801,6 +866,9 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--ffn-variants", default="",
                     help=f"FFN: comma list of eae variants to run (default all): {', '.join(FFN_VARIANTS)}")
     ap.add_argument("--no-flax", action="store_true", help="FFN: leave out Flax's fp8 ops")
+    ap.add_argument("--graph-copies", type=int, default=None,
+                    help="FFN: also time this many calls inside one jitted function (no host dispatch between "
+                         "them; 'graph' columns); 0: off (default 8, 2 with --smoke)")
     ap.add_argument("--configs", default="medium,7b", help="e2e configs: comma list of medium,7b")
     ap.add_argument("--scaling", default="static", choices=fp8.seams.SCALINGS, help="e2e activation scaling")
     ap.add_argument("--guards", default="seam,block,off",
@@ -848,6 +916,10 @@ def main(argv=None) -> Dict[str, Any]:
         args.warmup = 1 if args.smoke else 3
     if args.iters is None:
         args.iters = 3 if args.smoke else 12
+    if args.graph_copies is None:
+        args.graph_copies = 2 if args.smoke else 8
+    if args.graph_copies < 0:
+        ap.error(f"--graph-copies must be >= 0, got {args.graph_copies}")
     chosen = [k for k in ("ffn", "e2e", "train") if getattr(args, k)]
     if not chosen:
         args.ffn = args.e2e = args.train = True
@@ -898,6 +970,8 @@ def summary(results: Dict[str, Any]) -> None:
             continue
         rows.append({"what": f"FFN {'x'.join(map(str, r['shape']))} {r['variant'][:30]}",
                      "fwd x": r.get("fwd_speedup"), "f+b x": r.get("fb_speedup"),
+                     "pipe fwd x": r.get("fwd_speedup_pipelined"), "pipe f+b x": r.get("fb_speedup_pipelined"),
+                     "graph fwd x": r.get("graph_fwd_speedup"), "graph f+b x": r.get("graph_fb_speedup"),
                      "cos bare": r.get("cos_bare"), "cos boundary": r.get("cos_boundary")})
     for r in results.get("e2e", []) if isinstance(results.get("e2e"), list) else []:
         for g, v in r.get("variants", {}).items():
@@ -911,7 +985,10 @@ def summary(results: Dict[str, Any]) -> None:
         print_table("summary (targets: FFN fwd >= 1.6x / 1.75x, f+b >= 1.25x / 1.5x at 1B / 7B shapes; "
                     "boundary cos >= 0.999; step >= 1.2x medium, 1.35x 7B; LM loss within 2%)", rows, [
                         ("what", lambda r: r["what"]), ("fwd x", lambda r: r.get("fwd x")),
-                        ("f+b x / diff", lambda r: r.get("f+b x")), ("cos bare", lambda r: r.get("cos bare")),
+                        ("f+b x / diff", lambda r: r.get("f+b x")),
+                        ("pipe fwd x", lambda r: r.get("pipe fwd x")), ("pipe f+b x", lambda r: r.get("pipe f+b x")),
+                        ("graph fwd x", lambda r: r.get("graph fwd x")),
+                        ("graph f+b x", lambda r: r.get("graph f+b x")), ("cos bare", lambda r: r.get("cos bare")),
                         ("cos boundary", lambda r: r.get("cos boundary"))])
 
 

@@ -34,6 +34,10 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
     assert ours["fwd"]["lowered_fp8_dots"] == 2 and ours["fb"]["lowered_fp8_dots"] == 6
     assert ours["fp8_calls_fwd"] == 1.0 and ours["fp8_calls_fb"] == 1.0
     assert ours["fwd"]["median_ms"] > 0 and ours["fb"]["median_ms"] > 0
+    for key in ("graph_fwd", "graph_fb"):  # in-graph timing of 2 copies, per call
+        assert ours[key]["copies"] == 2 and ours[key]["per_call_pipelined_ms"] > 0, key
+        assert ours[key]["lowered_fp8_dots"] == 2 * ours[key[6:]]["lowered_fp8_dots"], key
+    assert ours["graph_fwd_speedup"] > 0 and variants["bf16 (eae_jax swiglu)"]["graph_fwd_speedup"] == 1.0
     for name in ("eae fp8 static delayed grads tensor-w", "eae fp8 static unguarded delayed grads tensor-w",
                  "eae fp8 static delayed grads delayed-w", "eae fp8 static unguarded delayed grads delayed-w"):
         tw = variants[name]  # per-tensor weight scales: same GEMM count, same accuracy class
@@ -136,3 +140,29 @@ def test_fusion_probe_runs_and_its_variants_agree(tmp_path):
     swiglu = {r["variant"]: r for r in res["swiglu"]}
     assert swiglu["xla-via-f16"]["codes_differing"] < 1e-3
     assert swiglu["pallas-32x512-w4"]["codes_differing"] == 0.0, swiglu["pallas-32x512-w4"]
+
+
+@pytest.mark.parametrize("copies", [1, 3])
+def test_in_graph_copies_share_no_weight_work(copies):
+    # The 'graph' timing must not let XLA quantize one set of weights once
+    # for all copies: every copy keeps its own weight quantization and GEMM.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    bench = _load()
+
+    def f(w, x):
+        wq = (w * 3.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+        return x @ wq.T
+
+    w, x = jnp.ones((48, 32)), jnp.arange(16 * 32, dtype=jnp.float32).reshape(16, 32)
+    run, run_args = bench.repeated(f, (w, x), 1, copies)
+    text = jax.jit(run).lower(*run_args).compile().as_text()
+    assert text.count("f8e4m3fn[48,32]{1,0} convert(") == copies
+    outs = jax.jit(run)(*run_args)
+    assert len(outs) == copies
+    for i, y in enumerate(outs):  # copy i sees the input rolled by i rows
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(f(w, jnp.roll(x, i, axis=0))))
+    with pytest.raises(ValueError, match="copies"):
+        bench.repeated(f, (w, x), 1, 0)

@@ -193,3 +193,37 @@ def test_grad_of_grad_through_byte_stored_boundaries_raises(kw, fix):
     params, x = _params(3, 4, jnp.float32), jnp.ones((2, 4))
     with pytest.raises(ValueError, match=fix):
         _grad_of_grad(eae_jax.reconstruct(_block, **kw), params, x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_clip_by_norm_low_precision_factor_does_not_underflow(dtype):
+    # max_norm / norm = 1e-9 underflowed to 0 when cast to float16 first, so
+    # the adjoint was zeroed instead of scaled to the bound.
+    g = jnp.full((1000,), 3e4, dtype)
+    max_norm = 1e-3
+    out, state = _apply(P.clip_by_norm(max_norm), g)
+    assert bool(state.clipped) and out.dtype == jnp.dtype(dtype)
+    ref = np.asarray(g, np.float64) * (max_norm / np.linalg.norm(np.asarray(g, np.float64)))
+    tol = {jnp.float16: 1e-3, jnp.bfloat16: 8e-3}[dtype]  # one rounding, plus fp16 subnormal spacing
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=tol)
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(out, np.float64)), max_norm, rtol=tol)
+
+
+@pytest.mark.parametrize("g", [[3e19, -4e19, 0.0], [3e37] * 64, [1e20, 1.0, -2.0, 5e19]])
+def test_statistics_of_huge_finite_adjoints_stay_finite(g):
+    # The float32 sum of squares overflowed: a finite adjoint reported an
+    # infinite norm and std.
+    g = jnp.asarray(g, jnp.float32)
+    _, state = _apply(P.statistics(), g)
+    ref = np.asarray(g, np.float64)
+    assert not bool(state.has_inf) and not bool(state.has_nan)
+    np.testing.assert_allclose(float(state.norm), np.linalg.norm(ref), rtol=1e-5)
+    np.testing.assert_allclose(float(state.std), np.std(ref), rtol=1e-5)
+    np.testing.assert_allclose(float(state.mean), np.mean(ref), rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert float(state.max) == float(ref.max()) and float(state.min) == float(ref.min())
+
+
+def test_statistics_of_nonfinite_adjoints_keep_their_flags():
+    # The overflow path is for finite adjoints only: an inf stays reported as inf.
+    _, state = _apply(P.statistics(), jnp.asarray([1.0, jnp.inf, 2.0], jnp.float32))
+    assert bool(state.has_inf) and np.isinf(float(state.norm))

@@ -35,11 +35,30 @@ class StatsState(NamedTuple):
     has_inf: jax.Array
 
 
+def _moments(t: jax.Array):
+    """``(mean, population std, Euclidean norm)`` of float32 ``t``."""
+    mean = jnp.mean(t)
+    # Two-pass population variance: stabler than E[x^2] - E[x]^2.
+    std = jnp.sqrt(jnp.mean(jnp.square(t - mean)))
+    return mean, std, jnp.sqrt(jnp.sum(t * t))
+
+
+def _scaled_moments(t: jax.Array, moments):
+    """`_moments` of a finite ``t`` computed on ``t / max|t|`` and scaled back
+    (the overflow-free form; ``moments`` are the plain ones, unused)."""
+    del moments
+    m = jnp.max(jnp.abs(t))
+    mean, std, norm = _moments(t / m)
+    return mean * m, std * m, norm * m
+
+
 def statistics() -> AdjointTransformation:
     """Observe the adjoint without changing it.
 
     The seed's ``LoggingPass``: computes ``mean, std, min, max, norm, numel,
-    has_nan, has_inf`` of the adjoint (in float32) and keeps them in the
+    has_nan, has_inf`` of the adjoint (in float32; for a finite adjoint whose
+    squares or sum overflow float32, computed on it scaled by its largest
+    magnitude, so they stay finite when representable) and keeps them in the
     state, so after a jitted step ``stack.state(carry)`` holds them for every
     boundary (scanned segments: one entry per boundary along the leading
     axis). `eae_jax.events.emit_step_events` turns them into events.
@@ -67,18 +86,22 @@ def statistics() -> AdjointTransformation:
     def update(adjoint, state, ctx):
         del state, ctx
         t = adjoint.astype(jnp.float32)
-        mean = jnp.mean(t)
-        # Two-pass population variance: stabler than E[x^2] - E[x]^2.
-        std = jnp.sqrt(jnp.mean(jnp.square(t - mean)))
+        has_nan, has_inf = jnp.any(jnp.isnan(t)), jnp.any(jnp.isinf(t))
+        moments = _moments(t)
+        # A finite adjoint with large entries (the squares overflow above
+        # ~1.8e19, the sum above ~3.4e38 / numel) would report an infinite
+        # norm or std: recompute those moments on t / max|t| and scale back.
+        overflow = ~(has_nan | has_inf) & ~jnp.all(jnp.isfinite(jnp.stack(moments)))
+        mean, std, norm = jax.lax.cond(overflow, _scaled_moments, lambda t_, m: m, t, moments)
         new = StatsState(
             mean=mean,
             std=std,
             min=jnp.min(t),
             max=jnp.max(t),
-            norm=jnp.sqrt(jnp.sum(t * t)),
+            norm=norm,
             numel=jnp.asarray(t.size, jnp.int32),
-            has_nan=jnp.any(jnp.isnan(t)),
-            has_inf=jnp.any(jnp.isinf(t)),
+            has_nan=has_nan,
+            has_inf=has_inf,
         )
         return adjoint, new
 

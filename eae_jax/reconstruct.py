@@ -34,11 +34,30 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eae_jax import carry as carry_lib
 from eae_jax import grad_slots
 from eae_jax import offload as offload_lib
 from eae_jax.passes.base import AdjointTransformation, PassContext, apply_pass, as_pass, identity
+
+
+def _as_prng_key(key: Any) -> jax.Array:
+    """``key`` as something `jax.random.split` takes (see `Stack.init`)."""
+    if key is None:
+        return jax.random.key(0)
+    if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
+        return jax.random.key(int(key))
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if getattr(key, "shape", None) != ():
+            raise TypeError(f"init: key must be a single PRNG key, got a key array of shape {key.shape}")
+        return key
+    if dtype is not None and jnp.dtype(dtype) == jnp.uint32 and tuple(getattr(key, "shape", ())) == (2,):
+        return key
+    raise TypeError(f"init: key must be a jax.random.key, a uint32[2] jax.random.PRNGKey or an int seed; "
+                    f"got {type(key).__name__}" + (f" of dtype {dtype} and shape {tuple(key.shape)}"
+                                                   if dtype is not None else f" {key!r}"))
 
 
 class Scan(NamedTuple):
@@ -266,13 +285,17 @@ class Reconstructed:
 
         Args:
           params, x, side: example inputs (only shapes are used).
-          key: PRNG key for the passes' initial state (default ``key(0)``).
+          key: PRNG key for the passes' initial state (default ``key(0)``):
+            a typed key (`jax.random.key`), a raw ``uint32[2]`` key
+            (`jax.random.PRNGKey`) or a Python int seed.
 
         Returns:
           An `AdjointCarry` to pass to the stack and to `update`.
+
+        Raises:
+          TypeError: ``key`` is none of those.
         """
-        if key is None:
-            key = jax.random.key(0)
+        key = _as_prng_key(key)
         depths, specs = self.layout(params, x, side)
         keys = jax.random.split(key, len(specs))
         seg_states, b = [], 0
@@ -606,10 +629,13 @@ class Reconstructed:
         new_tree = {"step": step, "state": {"segments": seg_states, "top": top}, "stats": stats}
         return grads, g, carry_lib.encode_like(new_tree, carry, calls=1.0)
 
-    def _check_carry(self, carry, depths, specs):
+    def _check_carry(self, carry, depths, specs, expected=None):
         """Raise ValueError when ``carry`` was made for another stack or depth
         (the backward would otherwise fail inside its scans with a bare shape
-        error, or misread the state)."""
+        error, or misread the state), or when its pass state differs in
+        structure, shape or dtype from ``expected()`` (what `init` makes for
+        this call: a state made for other shapes or dtypes would otherwise be
+        broadcast against or cast into the adjoints)."""
         tree = jax.eval_shape(carry_lib.decode, carry)
         hint = "make the carry with this stack's init() from params and x of the shapes the stack is called with"
         try:
@@ -630,6 +656,21 @@ class Reconstructed:
                         f"the carry's pass state for segment {seg.name!r} covers {sorted(lead, key=str)} blocks, "
                         f"this call has {n}; {hint}"
                     )
+        if expected is None:
+            return
+        want = jax.eval_shape(carry_lib.decode, expected())
+        got_leaves, got_def = jax.tree_util.tree_flatten_with_path(tree["state"])
+        want_leaves, want_def = jax.tree_util.tree_flatten_with_path(want["state"])
+        if got_def != want_def:
+            raise ValueError(f"the carry's pass state has another structure than this stack's passes make for this "
+                             f"call; {hint}")
+        for (path, a), (_, b) in zip(got_leaves, want_leaves):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(
+                    f"the carry's pass state {jax.tree_util.keystr(path)} is {a.dtype}{list(a.shape)}, this call's "
+                    f"passes need {b.dtype}{list(b.shape)} (params, x or side of other shapes or dtypes than the "
+                    f"carry was made for); {hint}"
+                )
 
     def _slot_scan(self, seg, p, res, g, states, idx, spec, side, step, num, plan):
         """Reverse scan whose carry holds the slot buffers: iteration i reads
@@ -724,8 +765,12 @@ class Reconstructed:
         def run(plist, x, carry, side):
             return self._forward(plist, x, side, layouts)[0]
 
+        def expected():
+            spec = functools.partial(jax.tree_util.tree_map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
+            return jax.eval_shape(lambda p, x_, s: self.init(p, x_, side=s), spec(params), spec(x), spec(side))
+
         def fwd(plist, x, carry, side):
-            self._check_carry(carry, depths, specs)
+            self._check_carry(carry, depths, specs, expected)
             y, saved = self._forward(plist, x, side, layouts)
             return y, (plist, saved, carry, side)
 

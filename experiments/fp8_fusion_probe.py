@@ -115,6 +115,36 @@ def swiglu_xla_via(mid):
     return f
 
 
+def swiglu_library(a, s_a, s_h):
+    """The library's form: the GEMM output scale is folded into the GEMM (see
+    `eae_jax.fp8.quant.output_scale`), so ``a`` is used as is."""
+    del s_a
+    f = a.shape[1] // 2
+    g, u = a[:, :f], a[:, f:]
+    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(jnp.bfloat16)
+    return quantize(h, s_h)
+
+
+def swiglu_math(kind):
+    """`swiglu_library` with other arithmetic, to tell a memory-bound fusion
+    from an instruction-bound one: ``floor`` (``g + u``, the same bytes with
+    almost no math), ``tanh`` (sigmoid as ``0.5 + 0.5 tanh(g / 2)``, no
+    division), ``bf16`` (silu and product in bfloat16)."""
+    def f(a, s_a, s_h):
+        del s_a
+        f_ = a.shape[1] // 2
+        g, u = a[:, :f_], a[:, f_:]
+        if kind == "floor":
+            h = g.astype(jnp.float32) + u.astype(jnp.float32)
+        elif kind == "tanh":
+            g32 = g.astype(jnp.float32)
+            h = g32 * (0.5 + 0.5 * jnp.tanh(0.5 * g32)) * u.astype(jnp.float32)
+        else:
+            h = jax.nn.silu(g) * u
+        return quantize(h.astype(jnp.bfloat16), s_h)
+    return f
+
+
 def swiglu_pallas(bt, bf, warps):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltr
@@ -151,8 +181,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="1b,7b")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tiles", default="32x512x4,64x256x4,64x512x8,128x256x8,16x1024x4,128x128x4")
+    ap.add_argument("--sections", default="down,ffn,swiglu", help="comma list of down, ffn, swiglu")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results")))
     args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
     os.makedirs(args.out, exist_ok=True)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     results = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "down": [], "swiglu": []}
@@ -175,7 +207,7 @@ def main(argv=None) -> int:
         norm = float(jnp.max(jnp.abs(exact)))
         print(f"\n== down GEMM {t}x{f} @ {d}x{f} ==")
         print(f"{'variant':<18} {'fp8 GEMMs':>9} {'busy us':>8} {'wall ms':>8} {'max err/max':>12}  top kernels")
-        for vname, fn in down_variants().items():
+        for vname, fn in (down_variants().items() if "down" in sections else []):
             try:
                 rec = profile(f"down-{name}-{vname}", fn, (h, w8, sh, sw), args.iters, args.out)
                 y = jax.jit(fn)(h, w8, sh, sw)
@@ -203,7 +235,7 @@ def main(argv=None) -> int:
         print(f"{'variant':<10} {'fp8 GEMMs':>9} {'busy us':>8} {'wall ms':>8} {'cos vs bf16':>11}  top kernels")
         ffns = [("bf16", lambda p, x_, *_: swiglu(p, x_)), ("legacy", ffn_forward(legacy_fwd_math)),
                 ("library", ffn_forward(_linear_fwd_math))]
-        for vname, fn in ffns:
+        for vname, fn in (ffns if "ffn" in sections else []):
             rec = profile(f"ffn-{name}-{vname}", fn, (pb, x, xs, hs, wsc), args.iters, args.out)
             y = jax.jit(fn)(pb, x, xs, hs, wsc).astype(jnp.float32)
             cos = float(jnp.sum(y * ref) / jnp.sqrt(jnp.sum(y * y) * jnp.sum(ref * ref)))
@@ -216,20 +248,24 @@ def main(argv=None) -> int:
         s_a = jnp.float32(0.5)
         s_h = jnp.float32(20.0 / 448.0)
         ref = jax.jit(swiglu_xla)(a, s_a, s_h)
+        ref_lib = jax.jit(swiglu_library)(a, s_a, s_h)
         print(f"\n== SwiGLU + e4m3 quantization of a {t}x{2 * f} bf16 GEMM output ==")
         print(f"{'variant':<22} {'busy us':>8} {'wall ms':>8} {'GB/s':>7} {'codes differing':>16}")
         nbytes = t * 2 * f * 2 + t * f
         cases = [("xla", swiglu_xla), ("xla-via-f16", swiglu_xla_via(jnp.float16)),
-                 ("xla-via-bf16", swiglu_xla_via(jnp.bfloat16))]
-        for tile in args.tiles.split(","):
+                 ("xla-via-bf16", swiglu_xla_via(jnp.bfloat16)), ("library", swiglu_library),
+                 ("floor", swiglu_math("floor")), ("tanh", swiglu_math("tanh")), ("bf16-math", swiglu_math("bf16"))]
+        for tile in [t_ for t_ in args.tiles.split(",") if t_]:
             bt, bf, warps = (int(v) for v in tile.split("x"))
             if f % bf == 0 and t % bt == 0:
                 cases.append((f"pallas-{bt}x{bf}-w{warps}", swiglu_pallas(bt, bf, warps)))
-        for vname, fn in cases:
+        for vname, fn in (cases if "swiglu" in sections else []):
             try:
                 rec = profile(f"swiglu-{name}-{vname}", fn, (a, s_a, s_h), args.iters, args.out)
                 q = jax.jit(fn)(a, s_a, s_h)
-                diff = float(jnp.mean((q.view(jnp.uint8) != ref.view(jnp.uint8)).astype(jnp.float32)))
+                # The library-form variants against the library's codes, the others against "xla".
+                base = ref_lib if vname in ("library", "floor", "tanh", "bf16-math") else ref
+                diff = float(jnp.mean((q.view(jnp.uint8) != base.view(jnp.uint8)).astype(jnp.float32)))
                 print(f"{vname:<22} {rec['busy_us']:>8.1f} {rec['median_ms']:>8.3f} "
                       f"{nbytes / rec['busy_us'] / 1e3:>7.0f} {diff:>16.2e}")
                 results["swiglu"].append({"shape": name, "variant": vname, "busy_us": rec["busy_us"],

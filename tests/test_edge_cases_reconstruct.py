@@ -227,3 +227,48 @@ def test_statistics_of_nonfinite_adjoints_keep_their_flags():
     # The overflow path is for finite adjoints only: an inf stays reported as inf.
     _, state = _apply(P.statistics(), jnp.asarray([1.0, jnp.inf, 2.0], jnp.float32))
     assert bool(state.has_inf) and np.isinf(float(state.norm))
+
+
+@pytest.mark.parametrize("key", [0, 7, np.int64(7), "typed", "raw"])
+def test_init_takes_int_seeds_and_both_key_kinds(key):
+    # An int seed used to fail deep inside jax.random.split with a message
+    # about key_data attributes.
+    stack = eae_jax.reconstruct(_block, passes=P.gaussian_noise(0.1))
+    params, x = _params(3, 4, jnp.float32), jnp.ones((2, 4))
+    as_key = {"typed": jax.random.key(7), "raw": jax.random.PRNGKey(7)}.get(key, key)
+    carry = stack.init(params, x, key=as_key)
+    ref = stack.init(params, x, key=jax.random.key(int(key) if not isinstance(key, str) else 7))
+    for a, b in zip(jax.tree_util.tree_leaves(carry), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(
+            a.dtype, jax.dtypes.prng_key) else a), np.asarray(jax.random.key_data(b) if jax.dtypes.issubdtype(
+                b.dtype, jax.dtypes.prng_key) else b))
+
+
+@pytest.mark.parametrize("key", [1.5, True, "0", jnp.zeros((3,), jnp.uint32), jax.random.split(jax.random.key(0), 2)])
+def test_init_refuses_what_is_not_a_key(key):
+    stack = eae_jax.reconstruct(_block, passes=P.gaussian_noise(0.1))
+    params, x = _params(3, 4, jnp.float32), jnp.ones((2, 4))
+    with pytest.raises(TypeError, match="key must be"):
+        stack.init(params, x, key=key)
+
+
+@pytest.mark.parametrize("change", ["dtype", "rows"])
+def test_carry_made_for_other_shapes_or_dtypes_is_named(change):
+    # A capture state made for float32 adjoints was silently cast from the
+    # bfloat16 ones; a top-k residual made for 2 rows failed inside the
+    # backward with a bare broadcasting error.
+    stack = eae_jax.reconstruct(_block, passes=P.chain(P.capture(), P.topk_compress(0.5)))
+    params, x = _params(3, 4, jnp.float32), jnp.ones((2, 4))
+    carry = stack.init(params, x)
+    if change == "dtype":
+        params, x = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params), x.astype(jnp.bfloat16)
+    else:
+        x = jnp.ones((3, 4))
+
+    def loss(p, c, x_):
+        return jnp.sum(stack(p, x_, c).astype(jnp.float32))
+
+    with pytest.raises(ValueError, match=r"pass state .*(bfloat16|float32\[3, 3, 4\])"):
+        jax.grad(loss, argnums=(0, 1))(params, carry, x)
+    # The carry made for this call works.
+    jax.grad(loss, argnums=(0, 1))(params, stack.init(params, x), x)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from eae_jax.train import CheckpointError, TrainConfig, make_optimizer, train
+from eae_jax.train import CheckpointError, TrainConfig, lr_schedule, make_optimizer, train
 from eae_jax.train import checkpoint as ckpt
 from eae_jax.train.data import TokenFile
 
@@ -132,6 +132,31 @@ def test_resume_refuses_what_would_not_continue_the_run(finished_run, change, er
         train(TrainConfig(out=out, **{**cfg, **change}), log_fn=quiet)
 
 
+def test_resuming_a_finished_run_reports_its_logged_losses(finished_run):
+    # Nothing to run: the summary's losses were None.
+    out, cfg = finished_run
+    summary = train(TrainConfig(out=out, **cfg), log_fn=quiet)
+    log = records(out)
+    assert summary["steps_run"] == 0 and summary["steps"] == 2
+    assert summary["final_loss"] == log[-1]["loss"] and summary["first_loss"] == log[0]["loss"]
+    assert np.isfinite(summary["final_loss"])
+
+
+def test_resume_with_more_steps_says_how_the_learning_rate_moves(finished_run):
+    # The cosine schedule is rebuilt for the new length: the rate at the
+    # resumed step jumps, which used to happen without a word.
+    out, cfg = finished_run
+    said = []
+    train(TrainConfig(out=out, **{**cfg, "steps": 10}), log_fn=said.append, until=2)
+    (line,) = [m for m in said if "steps changed" in m]
+    before = float(lr_schedule(TrainConfig(**{**cfg, "steps": 2}))(2))
+    after = float(lr_schedule(TrainConfig(**{**cfg, "steps": 10}))(2))
+    assert "from 2 to 10" in line and f"{before:.3e} to {after:.3e}" in line and before != after
+    said.clear()
+    train(TrainConfig(out=out, **cfg), log_fn=said.append)
+    assert not [m for m in said if "steps changed" in m]
+
+
 def test_nonfinite_state_is_never_checkpointed(tmp_path):
     out = str(tmp_path / "run")
     # lr 1e30 blows the params up after a couple of steps; log_every is past them,
@@ -203,3 +228,19 @@ def test_fp8_calibration_batch_comes_from_the_token_file(tmp_path, monkeypatch):
         loop.bind_fp8(cfg, model, params, jax.random.key(1), TokenFile(cfg.data, model.vocab_size, cfg.seq_len))
     expected = embed(params["embed"], jax.numpy.full((2, 8), 7, jax.numpy.int32), model.block.compute_dtype)
     np.testing.assert_array_equal(np.asarray(seen[0]), np.asarray(expected))
+
+
+def test_window_offsets_reach_past_int32_in_huge_token_files():
+    # randint's int32 clipped the offsets of a file with more than 2**31
+    # tokens: its tail was never sampled.
+    from eae_jax.train.data import draw_starts
+
+    high = 3 * 2**32 + 17
+    starts = draw_starts(jax.random.key(0), 4096, high)
+    assert starts.dtype == np.int64 and starts.min() >= 0 and starts.max() < high
+    assert (starts > 2**32).mean() > 0.5  # uniform: about 2/3 of them lie past 2**32
+    # Smaller files keep randint's draws (runs resume onto the same windows).
+    small = draw_starts(jax.random.key(3), 64, 1000)
+    np.testing.assert_array_equal(small, np.asarray(jax.random.randint(jax.random.key(3), (64,), 0, 1000)))
+    with pytest.raises(ValueError, match="no window offsets"):
+        draw_starts(jax.random.key(0), 2, 0)

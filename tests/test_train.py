@@ -237,3 +237,22 @@ def test_step_fallback_reruns_failed_steps_in_high_precision(tmp_path, monkeypat
     assert len([m for m in said if "rerun in high precision" in m]) == 4
     assert forced["steps"] == 4 and forced["final_loss"] == pytest.approx(bf16["final_loss"], rel=1e-6)
     assert forced["fp8"]["fallbacks"] == forced["fp8"]["calls"] == calls
+
+
+def test_save_removes_temporaries_of_killed_writers_only(tmp_path):
+    # A writer killed between its temporary's creation and the rename left
+    # '.ckpt_tmp_*' files forever; a live writer's must survive.
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(done.stdout)
+    names = {"dead": f".ckpt_tmp_{dead_pid}_x1.npz", "live": f".ckpt_tmp_{os.getpid()}_x2.npz",
+             "legacy_old": ".ckpt_tmp_ab3k9q.npz", "legacy_new": ".ckpt_tmp_zz81mm.npz"}
+    for n in names.values():
+        (tmp_path / n).write_bytes(b"partial")
+    old = os.path.getmtime(tmp_path / names["legacy_old"]) - 2 * 24 * 3600
+    os.utime(tmp_path / names["legacy_old"], (old, old))
+    ckpt.save(str(tmp_path), 1, {"a": np.ones(3)})
+    left = set(os.listdir(tmp_path))
+    assert names["dead"] not in left and names["legacy_old"] not in left
+    assert names["live"] in left and names["legacy_new"] in left and "ckpt_00000001.npz" in left
+    np.testing.assert_array_equal(ckpt.restore(str(tmp_path / "ckpt_00000001.npz"), {"a": np.zeros(3)})[0]["a"],
+                                  np.ones(3))

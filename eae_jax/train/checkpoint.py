@@ -13,6 +13,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from typing import Any, Optional
 
 import jax
@@ -21,6 +22,8 @@ import numpy as np
 
 _NAME = re.compile(r"^ckpt_(\d{8})\.npz$")
 _META_KEY = "__metadata__.json"
+_TMP_PREFIX = ".ckpt_tmp_"
+_TMP_PID = re.compile(r"^\.ckpt_tmp_(\d+)_")
 
 
 class CheckpointError(ValueError):
@@ -39,6 +42,43 @@ def _flatten(tree: Any) -> dict:
     return out
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str, max_age_s: float = 24 * 3600.0) -> list:
+    """Delete the temporary files of checkpoint writes that can no longer
+    finish (a writer killed before its rename), and return their paths.
+
+    A temporary is stale when the process that named it (its pid is in the
+    name) is gone, or, without a pid in the name, when it is older than
+    ``max_age_s``. A live writer's file is never touched.
+    """
+    removed = []
+    if not os.path.isdir(directory):
+        return removed
+    now = time.time()
+    for name in os.listdir(directory):
+        if not name.startswith(_TMP_PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        m = _TMP_PID.match(name)
+        try:
+            stale = (not _pid_alive(int(m.group(1)))) if m else now - os.path.getmtime(path) > max_age_s
+            if stale and os.path.isfile(path):
+                os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:  # another writer cleaned it or renamed it
+            continue
+    return removed
+
+
 def save(directory: str, step: int, tree: Any, metadata: Optional[dict] = None, keep: int = 3) -> str:
     """Write ``tree`` as ``directory/ckpt_<step>.npz`` atomically.
 
@@ -50,6 +90,9 @@ def save(directory: str, step: int, tree: Any, metadata: Optional[dict] = None, 
       keep: how many newest checkpoints to keep (older ones are deleted
         only after the new one is in place); 0 keeps all.
 
+    Temporaries left by a writer that was killed mid-write are deleted first
+    (`remove_stale_temporaries`).
+
     Returns:
       The path written.
     """
@@ -58,7 +101,8 @@ def save(directory: str, step: int, tree: Any, metadata: Optional[dict] = None, 
     meta = dict(metadata or {}, step=int(step))
     arrays[_META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     final = os.path.join(directory, f"ckpt_{int(step):08d}.npz")
-    fd, tmp = tempfile.mkstemp(prefix=".ckpt_tmp_", suffix=".npz", dir=directory)
+    remove_stale_temporaries(directory)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}_", suffix=".npz", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)

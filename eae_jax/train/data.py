@@ -24,6 +24,25 @@ def synthetic_batch(key: jax.Array, batch: int, seq_len: int, vocab_size: int) -
     return ((start + stride * pos) % vocab_size).astype(jnp.int32)
 
 
+def draw_starts(key: jax.Array, batch: int, high: int) -> np.ndarray:
+    """``batch`` window offsets uniform in ``[0, high)``, as int64 numpy.
+
+    Below 2**31 these are `jax.random.randint`'s int32 draws. Above, randint
+    (int32 without x64) would clip ``high`` and never reach the file's tail:
+    two 32-bit words per offset are combined and reduced modulo ``high``
+    (bias at most ``high / 2**64``).
+
+    Raises:
+      ValueError: ``high`` is not positive.
+    """
+    if high <= 0:
+        raise ValueError(f"no window offsets to draw from: high={high}")
+    if high <= np.iinfo(np.int32).max:
+        return np.asarray(jax.random.randint(key, (batch,), 0, high)).astype(np.int64)
+    words = np.asarray(jax.random.bits(key, (batch, 2), jnp.uint32)).astype(np.uint64)
+    return ((words[:, 0] << np.uint64(32) | words[:, 1]) % np.uint64(high)).astype(np.int64)
+
+
 class TokenFile:
     """Random windows from a flat file of token ids.
 
@@ -73,7 +92,7 @@ class TokenFile:
     def batch(self, key: jax.Array, batch: int) -> jax.Array:
         """Int32 ``(batch, seq_len + 1)`` windows at positions drawn from ``key``."""
         high = self.tokens.shape[0] - self.seq_len - 1
-        starts = np.asarray(jax.random.randint(key, (batch,), 0, high))
+        starts = draw_starts(key, batch, high)
         rows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts])
         # The constructor checks the first 2**20 ids only; ids past them are checked as they are drawn.
         self._check_ids(rows, f" in a window starting at one of the offsets {sorted(set(starts.tolist()))}")

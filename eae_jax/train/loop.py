@@ -67,11 +67,18 @@ def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array, source: Opti
     return fp8.bind_block(model.block, params["blocks"], [x0], seams, fallback=cfg.fp8_fallback)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay, global-norm clipping first."""
+def lr_schedule(cfg: TrainConfig, steps: Optional[int] = None) -> optax.Schedule:
+    """Linear warm-up to ``cfg.lr`` over ``cfg.warmup`` steps, then cosine decay
+    to a tenth of it at step ``steps`` (default ``cfg.steps``)."""
     warmup = max(cfg.warmup, 1)
+    steps = cfg.steps if steps is None else steps
     # decay_steps counts the warm-up and must exceed it (steps=1 with warmup=0 used to raise in optax)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.1)
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(steps, warmup + 1), cfg.lr * 0.1)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with `lr_schedule`, global-norm clipping first."""
+    schedule = lr_schedule(cfg)
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
     return optax.chain(*parts, optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
@@ -248,6 +255,23 @@ class JsonlLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def records(self) -> list:
+        """The complete, parseable records (dicts) in file order ([] when there is no file)."""
+        if not os.path.exists(self.path):
+            return []
+        out = []
+        with open(self.path) as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    out.append(record)
+        return out
+
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after ``step`` and a torn last line (atomically; a no-op when none)."""
         if not os.path.exists(self.path):
@@ -335,6 +359,18 @@ def _check_resumable(cfg: TrainConfig, path: str, meta: dict) -> None:
                          "to continue the run, or a fresh --out")
 
 
+def _say_schedule_change(cfg: TrainConfig, meta: dict, step: int, log_fn) -> None:
+    """Log how a resumed run's learning rate changes when ``steps`` (the cosine
+    schedule's length) differs from the checkpoint's: the schedule is rebuilt
+    for the new length, so the rate at the resumed step moves."""
+    saved = (meta.get("config") or {}).get("steps")
+    if not isinstance(saved, int) or saved == cfg.steps:
+        return
+    before, after = float(lr_schedule(cfg, saved)(step)), float(lr_schedule(cfg)(step))
+    log_fn(f"steps changed from {saved} to {cfg.steps}: the cosine schedule now decays over {cfg.steps} steps; "
+           f"the learning rate at step {step} moves from {before:.3e} to {after:.3e}")
+
+
 def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     """Run (or resume) a training run; returns a summary dict.
 
@@ -357,8 +393,9 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     source = TokenFile(cfg.data, PRESETS[cfg.preset]["vocab_size"], cfg.seq_len) if cfg.data else None
     model, stack, tx, bound_fp8, state = build(cfg, source)
     if resumed_from:
-        state, _ = ckpt.restore(resumed_from, state)
+        state, meta = ckpt.restore(resumed_from, state)
         log_fn(f"resumed from {resumed_from} at step {int(state.step)}")
+        _say_schedule_change(cfg, meta, int(state.step), log_fn)
 
     mesh = _mesh(cfg.devices)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -445,8 +482,14 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
                                          f"{_kept(ckpt_dir)}")
             path = ckpt.save(ckpt_dir, done, host_state, metadata={"config": cfg.to_dict()}, keep=cfg.keep)
             log_fn(f"checkpoint {path}")
+    if last_loss is None:
+        # Nothing ran (resuming a finished run): report the run's logged losses.
+        logged = [r for r in log.records() if isinstance(r.get("step"), int) and isinstance(r.get("loss"), float)
+                  and r["step"] <= start_step]
+        if logged:
+            first_loss, last_loss = logged[0]["loss"], logged[-1]["loss"]
     summary = {"first_loss": first_loss, "final_loss": last_loss, "steps": last_step, "resumed_from": resumed_from,
-               "out": cfg.out}
+               "steps_run": max(last_step - start_step, 0), "out": cfg.out}
     if bound_fp8 is not None:
         report = bound_fp8.report(jax.device_get(state.fp8))
         summary["fp8"] = {"calls": sum(r["calls"] for r in report), "fp8_calls": sum(r["fp8_calls"] for r in report),

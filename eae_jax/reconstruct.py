@@ -42,6 +42,15 @@ from eae_jax import offload as offload_lib
 from eae_jax.passes.base import AdjointTransformation, PassContext, apply_pass, as_pass, identity
 
 
+def _depth_hint(seg, n: int) -> str:
+    """For a scanned segment: the depth read off the params, which is where a
+    missing depth axis shows (the first param axis taken for the depth)."""
+    if not seg.scanned:
+        return ""
+    return (f" (a scanned block's params carry a leading depth axis; it was read as {n} blocks: "
+            "if that is not the depth, the params lack it)")
+
+
 def _as_prng_key(key: Any) -> jax.Array:
     """``key`` as something `jax.random.split` takes (see `Stack.init`)."""
     if key is None:
@@ -259,14 +268,14 @@ class Reconstructed:
             except Exception as err:  # re-raised with the block named
                 raise ValueError(
                     f"block {seg.name!r} (block index {index}) failed on input {_fmt(h)} with params "
-                    f"{_tree_shapes(p_one)}: {err}"
+                    f"{_tree_shapes(p_one)}{_depth_hint(seg, n)}: {err}"
                 ) from err
             if not isinstance(out, jax.ShapeDtypeStruct):
                 raise TypeError(f"block {seg.name!r} must return one array, got {out}")
             if seg.scanned and (out.shape != h.shape or out.dtype != h.dtype):
                 raise ValueError(
-                    f"scanned block {seg.name!r} maps {_fmt(h)} to {_fmt(out)}; blocks inside a Scan must keep "
-                    "the shape and dtype of their input"
+                    f"scanned block {seg.name!r} maps {_fmt(h)} to {_fmt(out)} with params {_tree_shapes(p_one)}; "
+                    f"blocks inside a Scan must keep the shape and dtype of their input{_depth_hint(seg, n)}"
                 )
             for _ in range(n):
                 specs.append(h)

@@ -272,3 +272,11 @@ def test_carry_made_for_other_shapes_or_dtypes_is_named(change):
         jax.grad(loss, argnums=(0, 1))(params, carry, x)
     # The carry made for this call works.
     jax.grad(loss, argnums=(0, 1))(params, stack.init(params, x), x)
+
+
+def test_params_without_depth_axis_are_explained():
+    # Unstacked params of a scanned block: the first weight axis was taken
+    # for the depth and the message only said the block changed the shape.
+    stack = eae_jax.reconstruct(lambda p, x: jnp.tanh(x @ p["w"]))
+    with pytest.raises(ValueError, match=r"params \{\['w'\]: float32\[4\]\}.*leading depth axis; it was read as 4"):
+        stack({"w": jnp.ones((4, 4))}, jnp.ones((2, 4)))

@@ -775,8 +775,7 @@ class Reconstructed:
             return self._forward(plist, x, side, layouts)[0]
 
         def expected():
-            spec = functools.partial(jax.tree_util.tree_map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
-            return jax.eval_shape(lambda p, x_, s: self.init(p, x_, side=s), spec(params), spec(x), spec(side))
+            return jax.eval_shape(lambda p, x_, s: self.init(p, x_, side=s), params, x, side)
 
         def fwd(plist, x, carry, side):
             self._check_carry(carry, depths, specs, expected)

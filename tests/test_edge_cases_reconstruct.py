@@ -280,3 +280,13 @@ def test_params_without_depth_axis_are_explained():
     stack = eae_jax.reconstruct(lambda p, x: jnp.tanh(x @ p["w"]))
     with pytest.raises(ValueError, match=r"params \{\['w'\]: float32\[4\]\}.*leading depth axis; it was read as 4"):
         stack({"w": jnp.ones((4, 4))}, jnp.ones((2, 4)))
+
+
+def test_side_with_python_scalars_passes_the_carry_check():
+    # The carry check abstracted side leaf by leaf and failed on a Python float.
+    stack = eae_jax.reconstruct(lambda p, x, side: _block(p, x) * side["a"], passes=P.capture())
+    params, x, side = _params(3, 4, jnp.float32), jnp.ones((2, 4)), {"a": 2.0}
+    carry = stack.init(params, x, side=side)
+    g, _ = jax.jit(jax.grad(lambda p, c: jnp.sum(stack(p, x, c, side=side)), argnums=(0, 1)))(params, carry)
+    ref = jax.grad(lambda p: jnp.sum(jax.lax.scan(lambda h, q: (_block(q, h) * 2.0, None), x, p)[0]))(params)
+    assert _max_err(g, ref) < 1e-5

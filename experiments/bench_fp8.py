@@ -362,7 +362,8 @@ def ffn_section(args) -> List[Dict[str, Any]]:
         g_bf = bf_fb["out"][1]
         base = {"shape": [m, d, f]}
         rows.append({**base, "variant": "bf16 (eae_jax swiglu)", "fwd": strip(bf_fwd), "fb": strip(bf_fb),
-                     "graph_fwd": bf_gfwd, "graph_fb": bf_gfb, "cos_bare": 1.0, "cos_boundary": 1.0, "cos_bare_vs_f32": cos(y_bf16, y_f32)})
+                     "graph_fwd": bf_gfwd, "graph_fb": bf_gfb, "cos_bare": 1.0, "cos_boundary": 1.0,
+                     "cos_bare_vs_f32": cos(y_bf16, y_f32)})
 
         def record(name, fwd, fb, y, grads_dx=None, grads_w=None, extra=None, gfwd=None, gfb=None):
             r = {**base, "variant": name, "fwd": strip(fwd) if fwd else None, "fb": strip(fb) if fb else None,

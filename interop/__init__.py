@@ -21,6 +21,7 @@ from interop.auto import load_checkpoint
 from interop.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
+    Float64CheckpointError,
     InteropError,
     UnknownFormatError,
     UnsafeCheckpointError,
@@ -51,7 +52,7 @@ from interop.tensors import numpy_to_torch, torch_to_numpy
 from interop.torch_blocks import export_seed_blocks, import_seed_blocks, save_seed_blocks, seed_state_dict
 
 __all__ = [
-    "CheckpointMismatchError", "CorruptCheckpointError", "ImportedBlocks", "ImportedModel", "InteropError",
+    "CheckpointMismatchError", "CorruptCheckpointError", "Float64CheckpointError", "ImportedBlocks", "ImportedModel", "InteropError",
     "UnknownFormatError", "UnsafeCheckpointError", "UnsupportedConfigError", "detect_format", "export_seed_blocks",
     "hf_config_from_lm", "hf_state_dict", "import_hf_model", "import_hf_state_dict", "import_llama2c_checkpoint",
     "import_seed_blocks", "llama2c_state_dict", "lm_config_from_hf", "load_checkpoint", "load_hf", "load_llama2c",

@@ -90,6 +90,12 @@ class UnknownFormatError(InteropError):
     """The file (or object) is not any of the supported checkpoint formats."""
 
 
+class Float64CheckpointError(InteropError, TypeError):
+    """float64 weights while JAX runs without x64: importing them would round
+    to float32 silently. A TypeError too (it is about the dtype), and an
+    `InteropError` like every other checkpoint problem."""
+
+
 class UnsupportedConfigError(InteropError):
     """The checkpoint's architecture has a feature the JAX port does not implement
     (biases, rope scaling, dropout, another activation ...)."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from eae_jax.blocks import BlockConfig
 from eae_jax.models import LMConfig
-from interop.errors import CorruptCheckpointError, UnknownFormatError, UnsupportedConfigError
+from interop.errors import CorruptCheckpointError, InteropError, UnknownFormatError, UnsupportedConfigError
 from interop.imported import ImportedModel
 from interop.layout import HF_LM, lm_params_from_tensors, lm_tensors_from_params
 from interop.safe_load import (atomic_target, load_safetensors_file, load_torch_file, read_json,
@@ -274,11 +274,23 @@ def save_hf(directory: str, params: Mapping[str, Any], cfg: LMConfig, *, weights
     Raises:
       ValueError: unknown ``weights`` kind, or params that do not match ``cfg``.
       UnsupportedConfigError: interleaved-RoPE model.
+      InteropError: ``weights='bin'`` into a directory holding a
+        model.safetensors or a shard index, which loaders would read instead.
     """
     if weights not in ("safetensors", "bin"):
         raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
     config = hf_config_from_lm(cfg, base_config, dtype=np.asarray(params["embed"]).dtype)
     sd = hf_state_dict(params, cfg)
+    if weights == "bin":
+        # Loaders (ours and transformers') read these before pytorch_model.bin: left in place they would
+        # silently shadow the new weights. Refused rather than deleted: they may be the only copy.
+        shadowing = [n for n in (SAFETENSORS_NAME, SAFETENSORS_INDEX, TORCH_INDEX)
+                     if os.path.isfile(os.path.join(directory, n))]
+        if shadowing:
+            raise InteropError(
+                f"{directory} already holds {shadowing}, which loaders read before {TORCH_NAME}: the exported "
+                "weights would be shadowed. Export into another directory, remove those files, or use "
+                "weights='safetensors' (nothing written)")
     os.makedirs(directory, exist_ok=True)
     # Each file lands by one rename: a failure halfway leaves the earlier files whole.
     if weights == "safetensors":

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from interop.errors import CheckpointMismatchError
-from interop.tensors import cast
+from interop.errors import CheckpointMismatchError, Float64CheckpointError
+from interop.tensors import cast, same_bits
 
 
 class BlockLayout(NamedTuple):
@@ -178,11 +178,11 @@ def to_jax(a: np.ndarray, name: str) -> jax.Array:
     """numpy -> JAX array keeping the dtype; refuses a silent float64 -> float32 drop.
 
     Raises:
-      TypeError: float64 data while jax_enable_x64 is off (ask for
-        ``dtype='float32'`` to convert on purpose).
+      Float64CheckpointError: float64 data while jax_enable_x64 is off (ask
+        for ``dtype='float32'`` to convert on purpose).
     """
     if a.dtype == np.float64 and not jax.config.jax_enable_x64:
-        raise TypeError(
+        raise Float64CheckpointError(
             f"{name} is float64 but JAX runs without x64, so it would be silently rounded to float32; "
             "pass dtype='float32' to convert on purpose, or enable jax_enable_x64"
         )
@@ -243,8 +243,7 @@ def lm_params_from_tensors(tensors: Mapping[str, np.ndarray], cfg, layout: LMLay
         expected[layout.head] = (cfg.vocab_size, cfg.dim)
         optional.append(layout.head)
         head, emb = tensors.get(layout.head), tensors.get(layout.embed)
-        if (head is not None and emb is not None and head.shape == emb.shape
-                and not np.array_equal(head.view(np.uint8), emb.view(np.uint8))):
+        if head is not None and emb is not None and head.shape == emb.shape and not same_bits(head, emb):
             other.append(f"the model is tied but {layout.head} differs from {layout.embed}; load it untied "
                          "(tie_embeddings=False) to keep both")
     check_tensors(tensors, expected, where, ignore=layout.ignore, optional=optional, other=other)

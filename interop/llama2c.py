@@ -40,7 +40,7 @@ from interop.safe_load import (
     load_torch_file,
     state_dict_to_numpy,
 )
-from interop.tensors import numpy_to_torch, require_torch, resolve_dtype
+from interop.tensors import numpy_to_torch, require_torch, resolve_dtype, same_bits
 
 #: llama2.c's RoPE base (hard-coded in its model.py and run.c).
 LLAMA2C_ROPE_THETA = 10000.0
@@ -125,8 +125,7 @@ def import_llama2c_checkpoint(ckpt: Mapping[str, Any], *, dtype: Any = None, tie
     cfg = lm_config_from_model_args(args)
     if tie_embeddings is None:
         head, emb = tensors.get(LLAMA2C_LM.head), tensors.get(LLAMA2C_LM.embed)
-        tie_embeddings = head is None or (emb is not None and head.shape == emb.shape and head.dtype == emb.dtype
-                                          and np.array_equal(head.view(np.uint8), emb.view(np.uint8)))
+        tie_embeddings = head is None or (emb is not None and same_bits(head, emb))
     cfg = LMConfig(cfg.vocab_size, cfg.depth, cfg.block, tie_embeddings=bool(tie_embeddings))
     params = lm_params_from_tensors(tensors, cfg, LLAMA2C_LM, resolve_dtype(dtype), where)
     meta = {"format": "llama2c_pt", "model_args": args,

@@ -473,7 +473,7 @@ def checkpoint_case(path: str, *, dtype: str = "float32", batch: int = 2, seq: i
 
         from interop.hf_llama import load_hf
 
-        imported = load_hf(path)
+        imported = load_hf(path, dtype=dtype)
         directory = path if fmt == "hf_dir" else (path.rsplit("/", 1)[0] if "/" in path else ".")
         model = LlamaForCausalLM.from_pretrained(directory)
         return hf_lm_case(model, imported.params, imported.config, dtype=dtype, batch=batch, seq=seq, seed=seed,
@@ -482,7 +482,7 @@ def checkpoint_case(path: str, *, dtype: str = "float32", batch: int = 2, seq: i
         from interop.llama2c import load_llama2c_bin
         from interop.reference import seed_lm_from_params
 
-        imported = load_llama2c_bin(path)
+        imported = load_llama2c_bin(path, dtype=dtype)
         return seed_lm_case(seed_lm_from_params(imported.params, imported.config), imported.params, imported.config,
                             dtype=dtype, batch=batch, seq=seq, seed=seed, perturb=perturb,
                             title=f"{name} (llama2.c) vs seed blocks")
@@ -492,7 +492,7 @@ def checkpoint_case(path: str, *, dtype: str = "float32", batch: int = 2, seq: i
             from interop.llama2c import import_llama2c_checkpoint
             from interop.reference import seed_lm_from_params
 
-            imported = import_llama2c_checkpoint(obj, where=path)
+            imported = import_llama2c_checkpoint(obj, dtype=dtype, where=path)
             return seed_lm_case(seed_lm_from_params(imported.params, imported.config), imported.params,
                                 imported.config, dtype=dtype, batch=batch, seq=seq, seed=seed, perturb=perturb,
                                 title=f"{name} (llama2.c .pt) vs seed blocks")

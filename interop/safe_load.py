@@ -27,6 +27,7 @@ from typing import Any, Dict
 
 import numpy as np
 
+from eae_jax.fileio import new_file_mode
 from interop.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from interop.tensors import require_torch, torch_to_numpy
 
@@ -140,6 +141,7 @@ def atomic_target(path: str):
     os.close(fd)
     try:
         yield tmp
+        os.chmod(tmp, new_file_mode(path))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -190,6 +192,17 @@ def _plausible_v0_header(h) -> bool:
             and 0 < seq < 1 << 24)
 
 
+def _is_exact_v0_file(head: bytes, size: int) -> bool:
+    """Whether ``head`` is a plausible legacy llama2.c header of a file of exactly ``size`` bytes."""
+    if len(head) < 28:
+        return False
+    h = struct.unpack("<7i", head[:28])
+    if not _plausible_v0_header(h):
+        return False
+    dim, hidden, layers, heads, kv, vocab, seq = h
+    return size == llama2c_bin_size(dim, hidden, layers, heads, kv, abs(vocab), seq, vocab > 0, 0)
+
+
 def detect_format(path: str) -> str:
     """Name the checkpoint format of ``path`` from its content.
 
@@ -213,7 +226,11 @@ def detect_format(path: str) -> str:
         head = f.read(64)
     if size == 0:
         raise CorruptCheckpointError(f"{path}: the file is empty")
-    if head[:2] == b"PK" or head[:1] == b"\x80":
+    if _is_exact_v0_file(head, size):
+        # Checked before the pickle opcode: a legacy header's dim of 128 + 256k starts with byte 0x80 too
+        # (and 640 + 1024k with 0x80 0x02, a protocol-2 pickle's first two bytes).
+        return "llama2c_bin_v0"
+    if head[:2] == b"PK" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
         return "torch_pickle"
     if len(head) >= 9:
         (n,) = struct.unpack("<Q", head[:8])

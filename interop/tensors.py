@@ -125,6 +125,13 @@ def resolve_dtype(dtype: Any) -> Optional[np.dtype]:
     return np.dtype(parse_compute_dtype(dtype))
 
 
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays hold the same dtype, shape and bytes (NaN payloads
+    and -0.0 included; any memory order, Fortran-ordered copies too)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)))
+
+
 def cast(a: np.ndarray, dtype: Optional[np.dtype]) -> np.ndarray:
     """``a`` unchanged when ``dtype`` is None or already a's dtype, else converted
     (round to nearest even, as `astype` does everywhere in numpy/JAX/torch)."""

@@ -224,6 +224,11 @@ def import_seed_blocks(source: Any, config: Optional[BlockConfig] = None, *, dep
             raise ValueError(
                 f"{where}: a bare state dict does not record num_heads, num_kv_heads, norm eps or the RoPE base; "
                 "pass config=BlockConfig(...) (or import the nn.ModuleList itself)")
+        if config.rope_style != "interleaved":
+            # The seed block always rotates interleaved pairs; these weights under 'half' compute another model.
+            raise UnsupportedConfigError(
+                f"{where}: PreNormTransformerBlock weights use interleaved RoPE, but the given config has "
+                f"rope_style={config.rope_style!r}; pass rope_style='interleaved'")
         depth = depth if depth is not None else _depth_from_keys(tensors)
     else:
         raise UnknownFormatError(

@@ -9,6 +9,7 @@ file stays whole), sharded indexes with duplicate or escaping shard names,
 and hidden_act 'swish'.
 """
 
+import dataclasses
 import json
 import struct
 
@@ -252,3 +253,115 @@ def test_swish_activation_is_silu():
     assert lm_config_from_hf(_hf_config(hidden_act="swish")) == lm_config_from_hf(_hf_config())
     with pytest.raises(UnsupportedConfigError, match="hidden_act 'gelu'"):
         lm_config_from_hf(_hf_config(hidden_act="gelu"))
+
+
+# ----------------------------------------------------------------------------- found by probing, 2026-12-06
+@pytest.mark.parametrize("dim,heads", [(128, 4), (640, 5)])
+def test_llama2c_v0_dim_whose_first_byte_is_a_pickle_opcode(tmp_path, dim, heads):
+    """dim 128 + 256k starts the file with 0x80 (640 with 0x80 0x02, a protocol-2
+    pickle's first bytes): the library's own v0 export was read as a damaged pickle."""
+    lm = LMConfig(13, 1, BlockConfig(dim, heads, 1, 24, norm_eps=1e-5, max_seq_len=4), tie_embeddings=True)
+    params = init_lm(jax.random.key(0), lm)
+    path = str(tmp_path / "m.bin")
+    interop.save_llama2c_bin(path, params, lm, version=0)
+    assert open(path, "rb").read(1) == b"\x80"
+    assert interop.detect_format(path) == "llama2c_bin_v0"
+    back = interop.load_checkpoint(path)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(back.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_torch_pickles_are_still_detected(tmp_path, zip_format):
+    path = str(tmp_path / "sd.pt")
+    torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=zip_format)
+    assert interop.detect_format(path) == "torch_pickle"
+
+
+@pytest.mark.parametrize("earlier", ["model.safetensors", "model.safetensors.index.json",
+                                     "pytorch_model.bin.index.json"])
+def test_hf_bin_export_refuses_files_that_would_shadow_it(tmp_path, earlier):
+    """Loaders read model.safetensors and the indexes before pytorch_model.bin:
+    a 'bin' export beside them silently reloaded the earlier weights."""
+    cfg = _hf_config()
+    params, lm = _hf_params(cfg)
+    (tmp_path / earlier).write_bytes(b"earlier")
+    with pytest.raises(interop.InteropError, match=f"already holds.*{earlier}.*shadowed"):
+        interop.save_hf(str(tmp_path), params, lm, weights="bin", base_config=cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [earlier]  # nothing written, nothing removed
+    assert (tmp_path / earlier).read_bytes() == b"earlier"
+
+
+def test_hf_safetensors_export_over_a_bin_export_reloads_the_new_weights(tmp_path):
+    cfg = _hf_config()
+    params, lm = _hf_params(cfg)
+    other = jax.tree_util.tree_map(lambda a: a + 1, params)
+    interop.save_hf(str(tmp_path), params, lm, weights="bin", base_config=cfg)
+    interop.save_hf(str(tmp_path), other, lm, weights="safetensors", base_config=cfg)
+    back = interop.load_hf(str(tmp_path)).params
+    for a, b in zip(jax.tree_util.tree_leaves(other), jax.tree_util.tree_leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_seed_state_dict_import_refuses_half_rope():
+    """The seed block rotates interleaved pairs; a state dict imported under
+    rope_style='half' silently became another model."""
+    from eae_runtime.contrib import PreNormTransformerBlock
+
+    blocks = torch.nn.ModuleList([PreNormTransformerBlock(16, 4, num_kv_heads=2, max_seq_len=8, ffn_hidden_dim=24)])
+    cfg = dataclasses.replace(interop.import_seed_blocks(blocks).config, rope_style="half")
+    with pytest.raises(UnsupportedConfigError, match="rope_style='half'"):
+        interop.import_seed_blocks(blocks.state_dict(), cfg)
+    ok = interop.import_seed_blocks(blocks.state_dict(), dataclasses.replace(cfg, rope_style="interleaved"))
+    assert ok.config.rope_style == "interleaved"
+
+
+def test_float64_checkpoint_error_is_an_interop_error_and_parity_converts(tmp_path):
+    """float64 weights raised a bare TypeError, which the parity CLI did not
+    catch (a traceback and exit 1, the code for 'over tolerance')."""
+    from interop.parity import checkpoint_case
+
+    lm = LMConfig(11, 1, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=8), tie_embeddings=True)
+    sd = {k: v.double() for k, v in llama2c_state_dict(init_lm(jax.random.key(0), lm), lm).items()}
+    ckpt = {"model_args": {"dim": 16, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 11,
+                           "hidden_dim": 20, "max_seq_len": 8}, "model": sd}
+    with pytest.raises(interop.Float64CheckpointError, match="float64") as info:
+        interop.import_llama2c_checkpoint(ckpt)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)
+    path = str(tmp_path / "f64.pt")
+    torch.save(ckpt, path)
+    case = checkpoint_case(path, dtype="float32", batch=1, seq=4)
+    assert all(np.asarray(leaf).dtype == np.float32 for leaf in jax.tree_util.tree_leaves(case.jax_params))
+
+
+def test_tied_head_stored_in_fortran_order_is_recognised():
+    """A tied head held as a transposed-back (Fortran-ordered) copy raised
+    numpy's 'last axis must be contiguous' instead of importing."""
+    lm = LMConfig(11, 1, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=8), tie_embeddings=True)
+    sd = {k: v.numpy() for k, v in llama2c_state_dict(init_lm(jax.random.key(0), lm), lm).items()}
+    sd["output.weight"] = np.asfortranarray(sd["tok_embeddings.weight"])
+    args = {"dim": 16, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 11, "hidden_dim": 20,
+            "max_seq_len": 8}
+    assert interop.import_llama2c_checkpoint({"model_args": args, "model": sd}).config.tie_embeddings
+    hf_cfg = _hf_config(tie_word_embeddings=True)
+    params, hf_lm = _hf_params(hf_cfg)
+    hsd = {k: v.numpy() for k, v in hf_state_dict(params, hf_lm).items()}
+    hsd["lm_head.weight"] = np.asfortranarray(hsd["model.embed_tokens.weight"])
+    assert interop.import_hf_state_dict(hsd, hf_cfg).config.tie_embeddings
+
+
+def test_exports_get_the_usual_file_mode(tmp_path):
+    """Atomic writes went through mkstemp and left every export 0600."""
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        lm = LMConfig(11, 1, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=8), tie_embeddings=True)
+        path = tmp_path / "m.bin"
+        interop.save_llama2c_bin(str(path), init_lm(jax.random.key(0), lm), lm)
+        assert path.stat().st_mode & 0o777 == 0o644
+        path.chmod(0o640)  # a replaced file keeps its mode
+        interop.save_llama2c_bin(str(path), init_lm(jax.random.key(1), lm), lm)
+        assert path.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(umask)

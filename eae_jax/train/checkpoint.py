@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eae_jax.fileio import new_file_mode
+
 _NAME = re.compile(r"^ckpt_(\d{8})\.npz$")
 _META_KEY = "__metadata__.json"
 _TMP_PREFIX = ".ckpt_tmp_"
@@ -108,6 +110,7 @@ def save(directory: str, step: int, tree: Any, metadata: Optional[dict] = None, 
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, new_file_mode(final))
         os.replace(tmp, final)
         dir_fd = os.open(directory, os.O_RDONLY)
         try:

@@ -143,8 +143,12 @@ def _spec(x) -> jax.ShapeDtypeStruct:
 
 
 def _as_array(x):
-    """``x`` itself when it is an array (or tracer), else ``jnp.asarray(x)``
-    (a Python scalar or nested list is one input array, not a pytree)."""
+    """``x`` itself when it is a JAX array (or tracer), else ``jnp.asarray(x)``
+    (a Python scalar or nested list is one input array, not a pytree; a numpy
+    float64 array becomes float32 without x64, as every jitted op would make
+    it, instead of looking like a block that changes the dtype)."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return jnp.asarray(x)
     return x if hasattr(x, "shape") and hasattr(x, "dtype") else jnp.asarray(x)
 
 

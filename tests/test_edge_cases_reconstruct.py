@@ -290,3 +290,17 @@ def test_side_with_python_scalars_passes_the_carry_check():
     g, _ = jax.jit(jax.grad(lambda p, c: jnp.sum(stack(p, x, c, side=side)), argnums=(0, 1)))(params, carry)
     ref = jax.grad(lambda p: jnp.sum(jax.lax.scan(lambda h, q: (_block(q, h) * 2.0, None), x, p)[0]))(params)
     assert _max_err(g, ref) < 1e-5
+
+
+def test_numpy_float64_input_is_canonicalised_like_jit_does():
+    """A numpy float64 x (x64 off) looked like a scanned block changing the
+    dtype (float64 -> float32) and was refused; lax.scan accepts it."""
+    params = _params(3, 4, jnp.float32)
+    x = np.linspace(-1.0, 1.0, 8).reshape(2, 4)  # float64
+    stack = eae_jax.reconstruct(_block)
+    y = stack(params, x)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), np.asarray(_plain(params, jnp.asarray(x))), rtol=1e-6)
+    g = jax.grad(lambda p: jnp.sum(stack(p, x) ** 2))(params)
+    ref = jax.grad(lambda p: jnp.sum(_plain(p, jnp.asarray(x)) ** 2))(params)
+    assert _max_err(g, ref) < 1e-5

@@ -244,3 +244,42 @@ def test_window_offsets_reach_past_int32_in_huge_token_files():
     np.testing.assert_array_equal(small, np.asarray(jax.random.randint(jax.random.key(3), (64,), 0, 1000)))
     with pytest.raises(ValueError, match="no window offsets"):
         draw_starts(jax.random.key(0), 2, 0)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 3])
+def test_every_window_of_a_token_file_is_drawn(tmp_path, extra):
+    """A window is seq_len + 1 tokens; a file of exactly that length was
+    refused and the last start offset was never drawn."""
+    seq = 8
+    path = str(tmp_path / "t.npy")
+    np.save(path, np.arange(seq + 1 + extra, dtype=np.int32))
+    source = TokenFile(path, vocab_size=64, seq_len=seq)
+    firsts = set()
+    for i in range(40):
+        rows = np.asarray(source.batch(jax.random.key(i), 4))
+        assert rows.shape == (4, seq + 1)
+        np.testing.assert_array_equal(rows - rows[:, :1], np.broadcast_to(np.arange(seq + 1), rows.shape))
+        firsts.update(rows[:, 0].tolist())
+    assert firsts == set(range(extra + 1))
+    np.save(path, np.arange(seq, dtype=np.int32))
+    with pytest.raises(ValueError, match=f"holds {seq} tokens; one window needs {seq + 1}"):
+        TokenFile(path, vocab_size=64, seq_len=seq)
+
+
+def test_data_path_is_stored_absolute(tmp_path, monkeypatch):
+    """A relative --data path was stored as given: resuming from another
+    directory compared equal strings and read another file."""
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig(data="tokens.npy", **TINY)
+    assert os.path.isabs(cfg.data) and cfg.data == os.path.abspath("tokens.npy")
+    assert TrainConfig(**TINY).data is None
+
+
+def test_checkpoints_get_the_usual_file_mode(tmp_path):
+    """mkstemp made every checkpoint 0600, unreadable to other users."""
+    umask = os.umask(0o022)
+    try:
+        path = ckpt.save(str(tmp_path), 1, {"w": np.ones(3, np.float32)})
+        assert os.stat(path).st_mode & 0o777 == 0o644
+    finally:
+        os.umask(umask)

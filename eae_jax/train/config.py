@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Optional
 
 from eae_jax.blocks.transformer import BlockConfig
@@ -125,6 +126,9 @@ class TrainConfig:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.batch % self.microbatches:
             raise ValueError(f"batch {self.batch} must split into microbatches={self.microbatches} equal parts")
+        if self.data:
+            # Stored absolute: a resume from another directory must not read another file of the same name.
+            self.data = os.path.abspath(self.data)
         self.policy_obj = DTypePolicy.from_name(self.dtype)  # validates the name
         from eae_jax.dtypes import parse_compute_dtype
 

@@ -75,8 +75,8 @@ class TokenFile:
             raise ValueError(f"token file {path} holds {tokens.dtype} values; token ids must be integers")
         if tokens.ndim != 1:
             tokens = tokens.reshape(-1)
-        if tokens.shape[0] < seq_len + 2:
-            raise ValueError(f"token file {path} holds {tokens.shape[0]} tokens; one window needs {seq_len + 2}")
+        if tokens.shape[0] < seq_len + 1:
+            raise ValueError(f"token file {path} holds {tokens.shape[0]} tokens; one window needs {seq_len + 1}")
         head = tokens[: min(tokens.shape[0], 1 << 20)]
         self.path, self.vocab_size = path, vocab_size
         self._check_ids(head, "")
@@ -91,7 +91,8 @@ class TokenFile:
 
     def batch(self, key: jax.Array, batch: int) -> jax.Array:
         """Int32 ``(batch, seq_len + 1)`` windows at positions drawn from ``key``."""
-        high = self.tokens.shape[0] - self.seq_len - 1
+        # A window is seq_len + 1 tokens (inputs and shifted targets): starts 0 .. n - seq_len - 1 all fit.
+        high = self.tokens.shape[0] - self.seq_len
         starts = draw_starts(key, batch, high)
         rows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts])
         # The constructor checks the first 2**20 ids only; ids past them are checked as they are drawn.

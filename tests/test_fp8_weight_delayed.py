@@ -270,12 +270,15 @@ def test_microbatch_observations_take_the_maximum_of_amaxes_and_add_counts():
     from eae_jax.fp8.ledger import init_ledger
     from eae_jax.train.loop import _add_observations
 
-    def obs(calls, grad, weight):
-        led = init_ledger(2)._replace(calls=jnp.float32(calls))
+    def obs(calls, grad, weight, amax):
+        led = init_ledger(2)._replace(calls=jnp.float32(calls), amax=jnp.asarray(amax, jnp.float32))
         return fp8.SeamState(jnp.zeros((2,)), led, jnp.asarray(grad, jnp.float32), jnp.zeros((2,)),
                              jnp.asarray(weight, jnp.float32), jnp.zeros((2,)))
 
-    out = _add_observations({"ffn": obs(1, [1.0, 4.0], [0.5, 0.2])}, {"ffn": obs(2, [3.0, 2.0], [0.5, 0.3])})["ffn"]
+    out = _add_observations({"ffn": obs(1, [1.0, 4.0], [0.5, 0.2], [3.0, 1.0])},
+                            {"ffn": obs(2, [3.0, 2.0], [0.5, 0.3], [2.0, 5.0])})["ffn"]
     assert float(out.ledger.calls) == 3.0
+    # The activation amax too: summed, it made the train command's delayed scales 3-4x too large.
+    np.testing.assert_array_equal(np.asarray(out.ledger.amax), [3.0, 5.0])
     np.testing.assert_array_equal(np.asarray(out.grad_scales), [3.0, 4.0])
     np.testing.assert_array_equal(np.asarray(out.weight_scales), np.float32([0.5, 0.3]))

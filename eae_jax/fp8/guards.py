@@ -40,6 +40,26 @@ class GuardRefused(RuntimeError):
     mode, was not allowed to) fall back."""
 
 
+#: Platform names a contract may allow (``'gpu'`` covers cuda and rocm).
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+
+
+def platform_names(platforms: Any) -> Optional[Tuple[str, ...]]:
+    """``platforms`` as a tuple of names (one string is one name, not its
+    characters); None stays None.
+
+    Raises:
+      ValueError: a name not in `PLATFORMS`.
+    """
+    if platforms is None:
+        return None
+    names = (platforms,) if isinstance(platforms, str) else tuple(platforms)
+    bad = [p for p in names if p not in PLATFORMS]
+    if bad:
+        raise ValueError(f"unknown platform(s) {bad}; expected names from {PLATFORMS}")
+    return names
+
+
 @dataclasses.dataclass(frozen=True)
 class Contract:
     """The form a seam was bound for.
@@ -64,7 +84,9 @@ class Contract:
     min_compute_capability: float = 8.9
 
     def __post_init__(self):
-        object.__setattr__(self, "dtypes", tuple(parse_compute_dtype(d) for d in self.dtypes))
+        dtypes = (self.dtypes,) if isinstance(self.dtypes, str) else self.dtypes
+        object.__setattr__(self, "dtypes", tuple(parse_compute_dtype(d) for d in dtypes))
+        object.__setattr__(self, "platforms", platform_names(self.platforms))
         if self.width < 1 or self.min_rows < 0 or (self.max_rows is not None and self.max_rows < self.min_rows):
             raise ValueError(f"bad contract bounds: width={self.width}, rows=[{self.min_rows}, {self.max_rows}]")
 

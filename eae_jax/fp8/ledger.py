@@ -18,8 +18,18 @@ counts get out of a compiled step without double counting:
 * **Without differentiation** (inference) use the forward-returning variant
   of a seam, which returns ``(y, increments)``; fold those the same way.
 
-Increments are additive (calls, fp8 calls, a count per reason, amax), so a
-ledger that several calls share in one step still gets exact totals. What
+Count increments are additive (calls, fp8 calls, a count per reason), so a
+ledger that several calls share in one step still gets exact totals. The
+amax increments are added as well (autodiff sums the cotangents of a shared
+input; ``vmap`` over calls sharing a state does the same): for shared calls
+the recorded amax is an upper bound of their maximum, so the next delayed
+scales are conservative (never saturating because of it, up to log2(calls)
+binades coarser). Exact maxima: give each call its own state (per-layer
+states stacked on a leading axis), call a seam once on the whole batch
+(seams take any leading axes) rather than under ``vmap``, or differentiate
+calls separately and combine their cotangents with
+`eae_jax.fp8.combine_observations` (the training command does so for
+microbatches). What
 is derived in `fold` from one step's increments: ``consecutive`` (run of
 calls that fell back for a reason of the seam's own, i.e. not ``'block'``
 or ``'step'``;
@@ -129,7 +139,10 @@ def increments(code: jax.Array, amax: jax.Array) -> Ledger:
     amax = jnp.asarray(amax, jnp.float32)
     z = jnp.zeros((), jnp.float32)
     onehot = (jnp.arange(NUM_REASONS, dtype=jnp.int32) == code).astype(jnp.float32)
-    return Ledger(jnp.ones((), jnp.float32), (code < 0).astype(jnp.float32), onehot,
+    # One call, derived from ``code`` so that under vmap it is batched like the other counts
+    # (a constant 1 was not, and N mapped calls counted 1 call with N fp8 calls).
+    one = (code >= -1).astype(jnp.float32)
+    return Ledger(one, (code < 0).astype(jnp.float32), onehot,
                   jnp.where(jnp.isfinite(amax), amax, 0.0), z, z, z)
 
 
@@ -218,17 +231,28 @@ def fold(ledger: Ledger, inc: Ledger, detach_after: Optional[int] = 32) -> Ledge
     return Ledger(calls, fp8_calls, reasons, amax, consecutive, detached, last_reason)
 
 
-def report(ledger: Ledger, name: str) -> List[Dict[str, Any]]:
+def report(ledger: Ledger, name: str = "seam") -> List[Dict[str, Any]]:
     """Host-side receipt of a ledger: one entry per seam instance.
 
     A ledger with leading axes (stacked layers) gives one entry per index,
-    named ``name[i]`` (``name[i,j]`` for two axes).
+    named ``name[i]`` (``name[i,j]`` for two axes). A seam state (anything
+    with a ``ledger`` field holding a `Ledger`) is reported whole, by
+    `eae_jax.fp8.state_report` (its gradient and weight scales too).
+
+    Raises:
+      TypeError: neither a `Ledger` nor a seam state.
 
     Returns:
       A list of dicts with ``seam``, ``calls``, ``fp8_calls``, ``fallbacks``,
       ``by_reason`` (only reasons seen), ``last_reason`` (None if none),
       ``consecutive``, ``detached`` (bool), ``amax``.
     """
+    if not isinstance(ledger, Ledger):
+        if isinstance(getattr(ledger, "ledger", None), Ledger):
+            from eae_jax.fp8.seams import state_report  # seams builds on this module
+
+            return state_report(ledger, name)
+        raise TypeError(f"report needs a Ledger or a seam state, got {type(ledger).__name__}")
     arrs = Ledger(*[np.asarray(a) for a in ledger])
     lead = arrs.calls.shape
     out = []

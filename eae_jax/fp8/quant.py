@@ -61,6 +61,7 @@ import numpy as np
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
 FP8_FORMATS = (E4M3, E5M2)
+_FP8_NAMES = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2, "e4m3": E4M3, "e5m2": E5M2}
 
 #: Output dtypes the fp8 GEMM can write (cuBLASLt's fp8 kernels accept these).
 # float16 is not among them: an fp8 GEMM accumulates unscaled codes (e4m3
@@ -79,10 +80,26 @@ def fp8_max(dtype: Any) -> float:
     Raises:
       ValueError: ``dtype`` is not one of the two fp8 formats.
     """
-    dtype = jnp.dtype(dtype)
-    if dtype not in FP8_FORMATS:
-        raise ValueError(f"{dtype} is not an fp8 format; expected float8_e4m3fn or float8_e5m2")
-    return float(jnp.finfo(dtype).max)
+    return float(jnp.finfo(fp8_dtype(dtype)).max)
+
+
+def fp8_dtype(dtype: Any) -> np.dtype:
+    """The fp8 format named by ``dtype``: a dtype, or a name (``'float8_e4m3fn'``,
+    or the library's ``'fp8_e4m3'`` / ``'fp8_e5m2'``).
+
+    Raises:
+      ValueError: anything but the two fp8 formats.
+    """
+    if isinstance(dtype, str) and dtype.strip().lower() in _FP8_NAMES:
+        return _FP8_NAMES[dtype.strip().lower()]
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved not in FP8_FORMATS:
+        raise ValueError(f"{dtype!r} is not an fp8 format; expected float8_e4m3fn (fp8_e4m3) or "
+                         "float8_e5m2 (fp8_e5m2)")
+    return resolved
 
 
 def scale_from_amax(amax: jax.Array, dtype: Any = E4M3, margin: float = 0.0) -> jax.Array:
@@ -90,7 +107,9 @@ def scale_from_amax(amax: jax.Array, dtype: Any = E4M3, margin: float = 0.0) -> 
 
     ``x / scale`` then spans the fp8 range with ``margin`` binades of
     headroom. A zero or non-finite amax gives scale 1 (nothing to quantize,
-    or nothing trustworthy to derive a scale from).
+    or nothing trustworthy to derive a scale from); the scale is clamped to
+    the normal float32 range (a tiny amax would otherwise give a scale that
+    flushes to 0).
 
     Args:
       amax: float array of absolute maxima (any shape).
@@ -103,6 +122,9 @@ def scale_from_amax(amax: jax.Array, dtype: Any = E4M3, margin: float = 0.0) -> 
     amax = jnp.asarray(amax, jnp.float32)
     scale = amax * (2.0 ** margin) / fp8_max(dtype)
     good = jnp.isfinite(amax) & (amax > 0)
+    # An amax below about 5e-36 gives a subnormal scale that flushes to 0 (1/scale = inf turns
+    # zeros into NaN): clamp to the smallest normal float32, whose inverse is still finite.
+    scale = jnp.clip(scale, jnp.finfo(jnp.float32).tiny, jnp.finfo(jnp.float32).max)
     return jnp.where(good, scale, jnp.ones_like(scale))
 
 
@@ -121,6 +143,7 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any = E4M3) -> jax.Array:
     Returns:
       ``x``-shaped array of ``dtype``.
     """
+    dtype = fp8_dtype(dtype)
     fmax = fp8_max(dtype)
     scaled = x.astype(jnp.float32) * (1.0 / jnp.asarray(scale, jnp.float32))
     return jnp.clip(scaled, -fmax, fmax).astype(dtype)
@@ -357,6 +380,10 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None, w_tenso
     g32 = g.astype(jnp.float32)
     gmax = jnp.max(jnp.abs(g32))
     per_tensor_x = xs.ndim == 0
+    if g_scale is not None:
+        # A never-observed delayed scale is 0: 1/0 made the gradients NaN. At the smallest normal
+        # scale they saturate instead (finite), and `fold_state` counts the step in grad_clipped.
+        g_scale = jnp.maximum(jnp.asarray(g_scale, jnp.float32), jnp.finfo(jnp.float32).tiny)
 
     def folded(fold):
         # e5m2 quantization of g * fold: current scaling bounds |g * fold| by
@@ -561,7 +588,8 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
       ``(M, N)`` in ``x.dtype``.
 
     Raises:
-      ValueError: shapes that do not fit (or weight blocks that differ in
+      ValueError: non-float (or fp8) activations or live weights, zero
+        rows, shapes that do not fit (or weight blocks that differ in
         input width or dtype), an ``x_scale`` / ``grad_scale`` /
         ``weight_scale`` of another shape, an unknown ``weight_scaling``,
         ``'delayed'`` without a ``weight_scale`` or a ``weight_scale``
@@ -570,8 +598,17 @@ def fp8_linear(x: jax.Array, w: Union[jax.Array, Tuple[jax.Array, ...], Fp8Weigh
     """
     if x.ndim != 2:
         raise ValueError(f"fp8_linear expects 2-D activations (M, K), got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype in FP8_FORMATS:
+        raise ValueError(f"fp8_linear expects float32/bfloat16/float16 activations, got {x.dtype}")
+    if x.shape[0] == 0:
+        # No rows: nothing to scale (an amax over zero elements has no value) and nothing to compute.
+        raise ValueError("fp8_linear: activations have no rows (shape (0, K)); skip the call for an empty batch")
     # Fp8Weight is a NamedTuple: test it before taking tuples as blocks.
     blocks = None if isinstance(w, Fp8Weight) else (tuple(w) if isinstance(w, (tuple, list)) else (w,))
+    if blocks is not None and any(not jnp.issubdtype(b.dtype, jnp.floating) or b.dtype in FP8_FORMATS
+                                  for b in blocks):
+        raise ValueError(f"fp8_linear: a live weight must be float32/bfloat16/float16 (it is quantized here), got "
+                         f"{[str(b.dtype) for b in blocks]}; pass an Fp8Weight for weights already in fp8")
     for wshape in [w.q.shape] if blocks is None else [b.shape for b in blocks]:
         if len(wshape) != 2 or wshape[1] != x.shape[1]:
             raise ValueError(f"fp8_linear: activations {x.shape} do not fit weight {tuple(wshape)} (out, in)")

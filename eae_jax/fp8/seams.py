@@ -51,7 +51,8 @@ import numpy as np
 from eae_jax.blocks.linear import linear
 from eae_jax.blocks.swiglu import swiglu
 from eae_jax.fp8 import ledger as ledger_lib
-from eae_jax.fp8.guards import Contract, GuardRefused, magnitude, trace_check, value_stats
+from eae_jax.dtypes import parse_compute_dtype
+from eae_jax.fp8.guards import Contract, GuardRefused, magnitude, platform_names, trace_check, value_stats
 from eae_jax.fp8.quant import (
     E4M3,
     E5M2,
@@ -159,15 +160,27 @@ class SeamConfig:
             raise ValueError(f"unknown weight_scaling {self.weight_scaling!r}; expected one of {WEIGHT_SCALINGS}")
         if not 0.0 <= self.grad_margin <= 16.0:
             raise ValueError(f"grad_margin must be in [0, 16] binades, got {self.grad_margin}")
+        # NaN fails both comparisons; past 16 binades the scale leaves no fp8 precision at all.
+        if not -16.0 <= self.margin <= 16.0:
+            raise ValueError(f"margin must be in [-16, 16] binades, got {self.margin}")
+        if self.min_rows < 0 or (self.max_rows is not None and self.max_rows < max(self.min_rows, 1)):
+            raise ValueError(f"bad row bounds: min_rows={self.min_rows}, max_rows={self.max_rows} "
+                             "(need 0 <= min_rows <= max_rows, max_rows >= 1)")
         if not 0.0 <= self.saturation_threshold < 1.0:
             raise ValueError(f"saturation_threshold must be in [0, 1), got {self.saturation_threshold}")
         if not 0.0 <= self.gate_cos <= 1.0:
             raise ValueError(f"gate_cos must be in [0, 1], got {self.gate_cos}")
         if self.detach_after is not None and self.detach_after < 0:
             raise ValueError(f"detach_after must be >= 0 or None, got {self.detach_after}")
+        if isinstance(self.dtypes, str):  # one name, not its characters
+            object.__setattr__(self, "dtypes", (self.dtypes,))
         object.__setattr__(self, "dtypes", tuple(self.dtypes))
-        if self.platforms is not None:
-            object.__setattr__(self, "platforms", tuple(self.platforms))
+        try:  # validated now, not at the first call
+            for d in self.dtypes:
+                parse_compute_dtype(d)
+        except ValueError as err:
+            raise ValueError(f"SeamConfig dtypes: {err}") from err
+        object.__setattr__(self, "platforms", platform_names(self.platforms))  # 'gpu' is one name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -820,14 +833,41 @@ def apply(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=None)
     Raises:
       GuardRefused: wrong width / non-float input, or a trace-time contract
         failure in strict mode.
+      ValueError: a state that is not one instance of this seam's (`check_state`).
     """
+    check_state(seam, state)
     y, inc = _guarded(seam, state, params, x, monitor)
     y = ledger_lib.count(y, state.ledger, inc)
     return split_output(seam, params, y)
 
 
+def check_state(seam: Seam, state: Any) -> None:
+    """Refuse a state that is not one instance of this seam's `SeamState`.
+
+    Raises:
+      ValueError: not a `SeamState`, or scales / gradient / weight scales /
+        ledger of another shape (a stacked per-layer state given to one
+        call is named as such).
+    """
+    if not isinstance(state, SeamState):
+        raise ValueError(f"seam {seam.name!r}: expected its SeamState, got {type(state).__name__}")
+    want = {"scales": (seam.points,), "grad_scales": (seam.gemms,), "weight_scales": (seam.gemms,)}
+    for field, shape in want.items():
+        value = getattr(state, field)
+        if value is None:
+            continue
+        got = tuple(jnp.shape(value))
+        if got != shape:
+            stacked = len(got) > len(shape) and got[len(got) - len(shape):] == shape
+            hint = (f"; this is a stacked state with leading axes {got[:len(got) - len(shape)]}: give one call "
+                    "one instance (e.g. tree_map(lambda a: a[i], state)), or run the layers through "
+                    "lax.scan / eae_jax.reconstruct") if stacked else ""
+            raise ValueError(f"seam {seam.name!r}: state.{field} has shape {got}, expected {shape}{hint}")
+
+
 def apply_with_ledger(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=None):
     """Like `apply` but returns ``(y, increments)`` (inference: no VJP needed)."""
+    check_state(seam, state)
     y, inc = _guarded(seam, state, params, x, monitor)
     return split_output(seam, params, y), inc
 
@@ -866,7 +906,8 @@ def fold_state(seam: Seam, state: SeamState, inc: Any) -> SeamState:
     if grad_obs is not None and grad_scales is not None:
         seen = grad_obs > 0
         if seam.config.grad_scaling == "delayed":
-            over = seen & (grad_scales > 0) & (grad_obs > grad_scales * fp8_max(E5M2))
+            # A zero (never observed) scale saturated every gradient of the step: clipped too.
+            over = seen & (grad_obs > grad_scales * fp8_max(E5M2))
             clipped = (jnp.zeros_like(grad_scales) if clipped is None else clipped) + over.astype(jnp.float32)
         grad_scales = jnp.where(seen, scale_from_amax(grad_obs, E5M2, seam.config.grad_margin), grad_scales)
     weight_scales, w_clipped = state.weight_scales, state.weight_clipped
@@ -879,6 +920,35 @@ def fold_state(seam: Seam, state: SeamState, inc: Any) -> SeamState:
         weight_scales = jnp.where(seen, scale_from_amax(weight_obs, E4M3), weight_scales)
     # Cast weights (if any) are not carried over: the next step's weights differ.
     return SeamState(scales, new_ledger, grad_scales, clipped, weight_scales, w_clipped)
+
+
+def combine_observations(a: SeamState, b: SeamState) -> SeamState:
+    """Combine two seam-state cotangents (observations) of separately
+    differentiated calls that share one state in a step, e.g. microbatches:
+    ledger counts add up; every amax (the ledger's, gradients', weights')
+    takes the maximum (a sum would overstate the next scales). The cast
+    weights' cotangent is no observation and is dropped.
+
+    Within one differentiation, cotangents of calls sharing a state are
+    added by autodiff, amaxes included: give each call its own state (as
+    stacked per-layer states do) or differentiate the calls separately and
+    combine their cotangents here.
+
+    Raises:
+      ValueError: the two are not shaped alike.
+    """
+    strip = dict(grad_scales=None, weight_scales=None, weight_cast=None)
+    try:
+        summed = jax.tree_util.tree_map(jnp.add, a._replace(**strip), b._replace(**strip))
+    except ValueError as err:
+        raise ValueError(f"combine_observations: the two observations differ in structure: {err}") from err
+
+    def peak(x, y):
+        return None if x is None else jnp.maximum(x, y)
+
+    ledger = summed.ledger._replace(amax=jnp.maximum(a.ledger.amax, b.ledger.amax))
+    return summed._replace(ledger=ledger, grad_scales=peak(a.grad_scales, b.grad_scales),
+                           weight_scales=peak(a.weight_scales, b.weight_scales))
 
 
 def _rounding_limit(dtype) -> float:
@@ -1102,6 +1172,9 @@ def bind(
         if s.ndim < 1 or s.shape[-1] != width or not jnp.issubdtype(s.dtype, jnp.floating):
             raise ValueError(f"seam {seam.name!r}: calibration sample {i} has shape {s.shape} and dtype {s.dtype}; "
                              f"expected float (..., {width})")
+        if s.size == 0:
+            raise ValueError(f"seam {seam.name!r}: calibration sample {i} of shape {s.shape} has no rows; "
+                             "nothing to calibrate on")
     res = _as_list(residuals)
     if residuals is not None:
         if len(res) != len(samples):
@@ -1113,6 +1186,12 @@ def bind(
                 raise ValueError(f"seam {seam.name!r}: residual {i} has shape {r.shape}, expected "
                                  f"{s.shape[:-1] + (out_w,)} (the seam's output)")
     thr = seam.config.gate_cos if gate_cos is None else float(gate_cos)
+    if not 0.0 <= thr <= 1.0:  # NaN fails too
+        raise ValueError(f"seam {seam.name!r}: gate_cos must be in [0, 1], got {gate_cos}")
+    hp_w = params.hp if isinstance(params, FrozenParams) else params
+    bad_dtype = [f"{n}: {hp_w[n].dtype}" for n in seam.weights if not jnp.issubdtype(hp_w[n].dtype, jnp.floating)]
+    if bad_dtype:
+        raise ValueError(f"seam {seam.name!r}: weights must be floating point, got {bad_dtype}")
 
     amax_fn = jax.jit(functools.partial(amax_points, seam))
     amax = np.stack([np.asarray(amax_fn(params, s)) for s in samples])
@@ -1130,6 +1209,8 @@ def bind(
     used = calibrated if scales is None else jnp.asarray(scales, jnp.float32)
     if used.shape != (seam.points,):
         raise ValueError(f"seam {seam.name!r} needs {seam.points} scale(s), got shape {used.shape}")
+    if scales is not None and not bool(jnp.all(jnp.isfinite(used) & (used > 0))):
+        raise ValueError(f"seam {seam.name!r}: scales must be finite and positive, got {np.asarray(used).tolist()}")
 
     @jax.jit
     def measure(params, x, r, scales_):

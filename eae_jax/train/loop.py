@@ -170,21 +170,11 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
 
 
 def _add_observations(acc, g_fp8):
-    """Sum microbatches' fp8 observations: counts add up, gradient and
-    weight amaxes take the maximum (a sum would overstate the scale)."""
-    out = {}
-    for n, a in acc.items():
-        g = g_fp8[n]
+    """Combine microbatches' fp8 observations per seam (`eae_jax.fp8.combine_observations`:
+    counts add up, every amax takes the maximum)."""
+    from eae_jax.fp8 import combine_observations
 
-        def peak(x, y):
-            return None if x is None else jnp.maximum(x, y)
-
-        # (the cast weights' cotangent is no observation: zeros, dropped)
-        summed = jax.tree_util.tree_map(jnp.add, a._replace(grad_scales=None, weight_scales=None, weight_cast=None),
-                                        g._replace(grad_scales=None, weight_scales=None, weight_cast=None))
-        out[n] = summed._replace(grad_scales=peak(a.grad_scales, g.grad_scales),
-                                 weight_scales=peak(a.weight_scales, g.weight_scales))
-    return out
+    return {n: combine_observations(a, g_fp8[n]) for n, a in acc.items()}
 
 
 def _mesh(devices: Optional[int]):

@@ -16,7 +16,6 @@ import dataclasses
 from typing import Any, Optional
 
 import jax.numpy as jnp
-import numpy as np
 
 _NAMED_DTYPES = {
     "fp32": jnp.float32,
@@ -35,6 +34,9 @@ _NAMED_DTYPES = {
 COMPUTE_DTYPE_NAMES = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+#: The names an fp8 format (`DTypePolicy.fp8_format`) may be given by.
+FP8_FORMAT_NAMES = ("fp8_e4m3", "fp8_e5m2", "float8_e4m3fn", "float8_e5m2")
 
 
 def parse_compute_dtype(name: Any) -> jnp.dtype:
@@ -75,14 +77,44 @@ def parse_compute_dtype(name: Any) -> jnp.dtype:
     return dtype
 
 
-def _as_dtype(dtype: Any) -> jnp.dtype:
-    # Names go through the parser so 'bf16' means what it does on command lines.
-    return parse_compute_dtype(dtype) if isinstance(dtype, str) else jnp.dtype(dtype)
+def _as_dtype(dtype: Any, what: str = "dtype") -> jnp.dtype:
+    """``dtype`` as a `jnp.dtype`; names go through `parse_compute_dtype` so
+    'bf16' means what it does on command lines.
+
+    Raises:
+      ValueError: ``dtype`` is None (`jnp.dtype(None)` would silently be
+        float64), an unknown name, or not a dtype-like at all.
+    """
+    if dtype is None:
+        raise ValueError(f"{what}: a dtype must be given, got None; valid names are {', '.join(COMPUTE_DTYPE_NAMES)}")
+    if isinstance(dtype, str):
+        return parse_compute_dtype(dtype)
+    try:
+        return jnp.dtype(dtype)
+    except TypeError as err:
+        raise ValueError(
+            f"{what}: unknown dtype {dtype!r}; valid names are {', '.join(COMPUTE_DTYPE_NAMES)}"
+        ) from err
+
+
+def _is_narrow_float(dtype: jnp.dtype) -> bool:
+    """Every float of 8 bits or fewer: the two fp8 formats this library
+    computes in, the other float8 variants (``float8_e4m3fnuz``,
+    ``float8_e4m3b11fnuz``, ``float8_e5m2fnuz`` ...) and the sub-byte floats
+    (``float4_e2m1fn``, ``float6_*``), which ml_dtypes stores in one byte."""
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 1
 
 
 def dtype_name(dtype: Any) -> str:
-    """Short canonical name of a floating dtype (``bf16``, ``fp8_e4m3`` ...)."""
-    dtype = _as_dtype(dtype)
+    """Short canonical name of a floating dtype (``bf16``, ``fp8_e4m3`` ...).
+
+    Dtypes without a short name give ``str(dtype)`` (``float64``,
+    ``float8_e4m3fnuz`` ...).
+
+    Raises:
+      ValueError: ``dtype`` is None, an unknown name, or not a dtype-like.
+    """
+    dtype = _as_dtype(dtype, "dtype_name")
     for short in COMPUTE_DTYPE_NAMES:
         if jnp.dtype(_NAMED_DTYPES[short]) == dtype:
             return short
@@ -90,8 +122,31 @@ def dtype_name(dtype: Any) -> str:
 
 
 def is_fp8(dtype: Any) -> bool:
-    """True for the two float8 formats this library computes in (dtype or name)."""
-    return _as_dtype(dtype) in FP8_DTYPES
+    """True for the two float8 formats this library computes in (dtype or name).
+
+    Only ``float8_e4m3fn`` and ``float8_e5m2`` (``fp8_e4m3``/``fp8_e5m2``)
+    count; the other 8-bit float variants (``float8_e4m3fnuz`` ...) give
+    False (`DTypePolicy` refuses them as compute or param dtype and as
+    ``fp8_format`` all the same).
+
+    Raises:
+      ValueError: ``dtype`` is None, an unknown name, or not a dtype-like.
+    """
+    return _as_dtype(dtype, "is_fp8") in FP8_DTYPES
+
+
+def _parse_fp8_format(value: Any) -> jnp.dtype:
+    """`DTypePolicy.fp8_format` as one of `FP8_DTYPES`; ValueError listing
+    `FP8_FORMAT_NAMES` for anything else (``'bf16'``, ``float8_e4m3fnuz`` ...)."""
+    try:
+        dtype = parse_compute_dtype(value)
+    except ValueError:
+        dtype = None
+    if dtype is None or dtype not in FP8_DTYPES:
+        got = repr(value) if dtype is None else f"{value!r} ({dtype})" if isinstance(value, str) else str(dtype)
+        raise ValueError(f"DTypePolicy fp8_format must be one of {', '.join(FP8_FORMAT_NAMES)} "
+                         f"(the dtypes float8_e4m3fn / float8_e5m2), got {got}")
+    return dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +163,18 @@ class DTypePolicy:
         x0..xL in (`None`: the activation's own dtype).
       adjoint_dtype: dtype the adjoint between blocks is carried in (`None`:
         the boundary's dtype).
-      fp8_format: for fp8 policies, the forward format of the seams.
+      fp8_format: for fp8 policies, the forward format of the seams:
+        ``fp8_e4m3`` or ``fp8_e5m2`` (also spelled ``float8_e4m3fn`` /
+        ``float8_e5m2``, or those dtypes).
 
     Norm statistics, softmax and the loss are always float32.
+
+    Raises:
+      ValueError: a dtype field is an unknown name or not a floating dtype;
+        ``param_dtype`` or ``compute_dtype`` is None or a float of 8 bits or
+        fewer (any float8 variant, ``float4_e2m1fn`` ...: an fp8 policy
+        computes in bf16, see `from_name`); ``fp8_format`` is not one of
+        the two fp8 formats (the message lists them).
     """
 
     param_dtype: Any = jnp.float32
@@ -120,16 +184,27 @@ class DTypePolicy:
     fp8_format: Optional[Any] = None
 
     def __post_init__(self):
-        for field in ("param_dtype", "compute_dtype", "boundary_dtype", "adjoint_dtype", "fp8_format"):
+        for field in ("param_dtype", "compute_dtype"):
+            if getattr(self, field) is None:
+                raise ValueError(f"DTypePolicy {field} must be given (None would mean float64); "
+                                 f"valid names are {', '.join(COMPUTE_DTYPE_NAMES)}")
+        for field in ("param_dtype", "compute_dtype", "boundary_dtype", "adjoint_dtype"):
             value = getattr(self, field)
             if value is not None:
-                object.__setattr__(self, field, parse_compute_dtype(value))
-        if is_fp8(self.param_dtype):
-            raise ValueError("param_dtype cannot be an fp8 format; keep parameters in fp32/bf16")
-        if is_fp8(self.compute_dtype):
+                try:
+                    dtype = parse_compute_dtype(value)
+                except ValueError as err:
+                    raise ValueError(f"DTypePolicy {field}: {err}") from err
+                object.__setattr__(self, field, dtype)
+        if self.fp8_format is not None:
+            object.__setattr__(self, "fp8_format", _parse_fp8_format(self.fp8_format))
+        if _is_narrow_float(self.param_dtype):
+            raise ValueError(f"param_dtype cannot be an fp8 format (got {self.param_dtype}, a float of 8 bits "
+                             "or fewer); keep parameters in fp32/bf16")
+        if _is_narrow_float(self.compute_dtype):
             raise ValueError(
-                "compute_dtype cannot be fp8 directly; use DTypePolicy.from_name('fp8_e4m3'), "
-                "which computes in bf16 with fp8 seams"
+                f"compute_dtype cannot be fp8 directly (got {self.compute_dtype}, a float of 8 bits or fewer); "
+                "use DTypePolicy.from_name('fp8_e4m3'), which computes in bf16 with fp8 seams"
             )
 
     @classmethod
@@ -138,13 +213,16 @@ class DTypePolicy:
 
         ``fp32``: everything fp32. ``bf16``/``fp16``: compute and boundaries
         in that dtype, params fp32. ``fp8_e4m3``/``fp8_e5m2``: compute in
-        bf16 with fp8 seams in that format.
+        bf16 with fp8 seams in that format. Other floats of 8 bits or fewer
+        (a ``float8_e4m3fnuz`` dtype ...) are refused.
 
         Raises:
-          ValueError: unknown name (listing the valid ones).
+          ValueError: unknown name (listing the valid ones); a float8 variant
+            other than the two fp8 formats, or a sub-byte float (listing the
+            valid fp8 formats).
         """
         dtype = parse_compute_dtype(name)
-        if is_fp8(dtype):
+        if _is_narrow_float(dtype):  # fp8_format refuses the variants it cannot compute in
             return cls(param_dtype=param_dtype, compute_dtype=jnp.bfloat16,
                        boundary_dtype=jnp.bfloat16, fp8_format=dtype)
         if dtype == jnp.dtype(jnp.float32):
@@ -164,6 +242,14 @@ class DTypePolicy:
 
 
 def finfo_max(dtype: Any) -> float:
-    """Largest finite value of a floating dtype (or dtype name), as a Python float."""
-    dtype = _as_dtype(dtype)
-    return float(np.finfo(dtype).max) if not is_fp8(dtype) else float(jnp.finfo(dtype).max)
+    """Largest finite value of a floating dtype (or dtype name), as a Python float.
+
+    Raises:
+      ValueError: ``dtype`` is None, an unknown name, not a dtype-like, or
+        not a floating dtype (``int32`` ...).
+    """
+    dtype = _as_dtype(dtype, "finfo_max")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"finfo_max: {dtype} is not a floating dtype")
+    # jnp.finfo knows the ml_dtypes floats (bfloat16, the float8s) and numpy's.
+    return float(jnp.finfo(dtype).max)

@@ -70,3 +70,57 @@ def test_cast_params_touches_only_floating_leaves():
     assert out["step"].dtype == jnp.int32 and out["nested"][1] is None
     np.testing.assert_array_equal(np.asarray(out["w"], np.float32), np.ones((2, 3)))
     assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(params)
+
+
+# Every float of 8 bits or fewer this jax/ml_dtypes has besides the two fp8 formats.
+_NARROW_FLOATS = [getattr(jnp, n) for n in (
+    "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu",
+    "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn") if hasattr(jnp, n)]
+
+
+def _id(v):
+    return v if isinstance(v, str) else np.dtype(v).name
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp32", jnp.float16, "fp8", "e4m3", *_NARROW_FLOATS], ids=_id)
+def test_policy_fp8_format_must_be_one_of_the_fp8_formats(fmt):
+    with pytest.raises(ValueError, match="fp8_format must be one of fp8_e4m3, fp8_e5m2, float8_e4m3fn, float8_e5m2"):
+        DTypePolicy(fp8_format=fmt)
+    for ok, want in (("fp8_e4m3", jnp.float8_e4m3fn), ("float8_e5m2", jnp.float8_e5m2), (jnp.float8_e4m3fn, jnp.float8_e4m3fn)):
+        assert DTypePolicy(fp8_format=ok).fp8_format == jnp.dtype(want)
+
+
+@pytest.mark.parametrize("dtype", _NARROW_FLOATS, ids=_id)
+def test_every_narrow_float_is_refused_like_float8_e4m3fn(dtype):
+    with pytest.raises(ValueError, match=f"compute_dtype cannot be fp8 directly \\(got {jnp.dtype(dtype)}"):
+        DTypePolicy(compute_dtype=dtype)
+    with pytest.raises(ValueError, match=f"param_dtype cannot be an fp8 format \\(got {jnp.dtype(dtype)}"):
+        DTypePolicy(param_dtype=dtype)
+    with pytest.raises(ValueError, match="fp8_format must be one of fp8_e4m3, fp8_e5m2"):
+        DTypePolicy.from_name(dtype)  # was a policy computing in that dtype
+
+
+@pytest.mark.parametrize("fn", [is_fp8, dtype_name, finfo_max], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bad,match", [(None, "a dtype must be given, got None"), (object(), "unknown dtype")],
+                         ids=["None", "object"])
+def test_dtype_helpers_refuse_none_and_non_dtypes(fn, bad, match):
+    # None used to mean float64 (jnp.dtype(None)); an object gave numpy's raw TypeError.
+    with pytest.raises(ValueError, match=f"{fn.__name__}: {match}"):
+        fn(bad)
+    for field in ("param_dtype", "compute_dtype"):
+        with pytest.raises(ValueError, match=f"DTypePolicy {field} must be given"):
+            DTypePolicy(**{field: None})
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, np.uint8, bool, np.complex64], ids=_id)
+def test_finfo_max_refuses_non_floating_dtypes(bad):
+    with pytest.raises(ValueError, match=f"finfo_max: {np.dtype(bad)} is not a floating dtype"):
+        finfo_max(bad)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, jnp.bfloat16, jnp.float8_e4m3fn,
+                                   jnp.float8_e5m2, *_NARROW_FLOATS], ids=_id)
+def test_finfo_max_matches_ml_dtypes(dtype):
+    import ml_dtypes
+
+    assert finfo_max(dtype) == float(ml_dtypes.finfo(np.dtype(dtype)).max)

@@ -822,3 +822,59 @@ def test_casts_really_round_on_gpu():
         else:
             np.testing.assert_array_equal(np.asarray(out), ref, err_msg=p.name)
         assert not np.allclose(np.asarray(out), g, rtol=1e-4), p.name
+
+
+# ----------------------------------------------------------------------------- empty adjoints
+def _empty_expected(p, g):
+    """The state each pass records for the empty adjoint ``g`` (numpy refs: an empty
+    adjoint counts as all-zero, amax = max over no magnitudes = 0, norm = 0)."""
+    amax = np.max(np.abs(g.astype(np.float32)), initial=np.float32(0))
+    norm = np.float32(np.linalg.norm(g.astype(np.float32)))
+    if p.name.startswith("fp8_quant"):  # amax 0: the scale falls back to 1, a 0 is recorded
+        hist = 16 if "delayed" in p.name else 1
+        return P.Fp8State(np.float32(1.0), np.full(hist, amax, np.float32))
+    if p.name == "int8_fake_quant":
+        return P.Int8State(np.float32(amax / np.float32(127)))
+    if p.name.startswith("clip_by_norm"):
+        return P.ClipState(norm, np.bool_(norm > 1.0))
+    if p.name == "statistics":
+        z = np.float32(0)
+        return P.StatsState(z, z, z, z, norm, np.int32(g.size), np.bool_(np.isnan(g).any()),
+                            np.bool_(np.isinf(g).any()))
+    if p.name.startswith("topk_compress"):
+        return P.TopKState(np.zeros(g.shape, np.float32) if ", ef" in p.name else None, np.int32(0))
+    return None  # synthetic_gradient: the state is unchanged (no Adam step on nothing)
+
+
+_EMPTY_PASSES = [lambda: P.fp8_quant("e4m3"), lambda: P.fp8_quant("e5m2", "delayed"), P.int8_fake_quant,
+                 lambda: P.clip_by_norm(1.0), P.statistics, lambda: P.topk_compress(0.5),
+                 lambda: P.topk_compress(0.5, error_feedback=False), lambda: P.synthetic_gradient(hidden_dim=4)]
+
+
+@pytest.mark.parametrize("shape,dtype", [((0,), np.float32), ((0, 8), ml_dtypes.bfloat16), ((3, 0, 4), np.float16)],
+                         ids=["0", "0x8-bf16", "3x0x4-f16"])
+def test_empty_adjoint_passes_through_under_jit(shape, dtype):
+    """A size-0 adjoint is legal: init accepts it (statistics/topk/synthetic raised), update
+    returns it unchanged (fp8/int8/clip gave jnp.max's raw zero-size error) with a defined state."""
+    g = np.zeros(shape, dtype)
+    for make in _EMPTY_PASSES:
+        p = make()
+        state0 = _init(p, g)
+        out, state = _call(p, g, state0)
+        assert out.shape == shape and out.dtype == jnp.dtype(dtype), p.name
+        want = _empty_expected(p, g)
+        if want is None:
+            assert _trees_bitequal(state, state0), p.name
+            continue
+        assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(want), p.name
+        for got, ref in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_array_equal(np.asarray(got), ref, err_msg=p.name)
+            assert np.asarray(got).dtype == np.asarray(ref).dtype, p.name
+    # All chained, under jit, twice (the second call sees the recorded states).
+    c = P.chain(*(make() for make in _EMPTY_PASSES))
+    s = _init(c, g)
+    for _ in range(2):
+        out, s = _call(c, g, s)
+    assert out.shape == shape and out.dtype == jnp.dtype(dtype)
+    assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree_util.tree_leaves(s)
+               if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key))

@@ -47,6 +47,18 @@ def require_int(name: str, what: str, value: Any, *, low: int = 0) -> int:
     return int(value)
 
 
+def abs_max(t: jax.Array) -> jax.Array:
+    """``max|t|`` as a scalar of ``t``'s dtype; 0 for an empty ``t``.
+
+    0 is the identity of a max over magnitudes, so a size-0 adjoint counts
+    as an all-zero one (`jnp.max` of an empty array raises instead). The
+    size is static, so this is a trace-time choice.
+    """
+    if t.size == 0:
+        return jnp.zeros((), t.dtype)
+    return jnp.max(jnp.abs(t))
+
+
 def norm_f32(g: jax.Array) -> jax.Array:
     """Euclidean norm of ``g`` computed in float32 (the seed's ``vector_norm(t.float())``)."""
     g = g.astype(jnp.float32)

@@ -14,6 +14,10 @@ one arriving at the stack's output) to ``update`` with a `PassContext`.
 
 ``update`` must return an adjoint of the same shape and dtype; a pass that
 does not is rejected at trace time with its name in the message.
+
+An empty (size-0) adjoint is a legal adjoint: every built-in pass accepts
+it at ``init`` and returns it unchanged from ``update`` with a well-defined
+state (what each records is in its docstring), under jit as well.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eae_jax.passes._util import norm_f32, require_float_spec, require_number
+from eae_jax.passes._util import abs_max, norm_f32, require_float_spec, require_number
 from eae_jax.passes.base import AdjointTransformation
 
 
@@ -27,7 +27,7 @@ def _scaled_norm(adjoint, norm):
     """``max|g| * ||g / max|g|||`` (at least float32 precision), for an adjoint
     whose plain float32 norm overflowed; ``norm`` when ``g`` has a NaN/Inf."""
     w = adjoint.astype(jnp.promote_types(adjoint.dtype, jnp.float32))
-    m = jnp.max(jnp.abs(w))
+    m = abs_max(w)  # traced under the cond even for an empty adjoint (never taken: norm 0)
     scaled = (m * jnp.sqrt(jnp.sum(jnp.square(w / m)))).astype(jnp.float32)
     return jnp.where(jnp.all(jnp.isfinite(w)), scaled, norm)
 
@@ -42,7 +42,9 @@ def clip_by_norm(max_norm: float) -> AdjointTransformation:
     rounded once to its dtype (a float16 adjoint is not zeroed by a factor
     below float16's range), otherwise it is returned unchanged; this is the
     seed's ``ClipPass``. Unlike `optax.clip_by_global_norm` the bound applies
-    to each boundary's adjoint separately.
+    to each boundary's adjoint separately. An empty (size-0) adjoint has
+    norm 0 and is returned unchanged (state: norm 0, not clipped), as in
+    every built-in pass.
 
     Args:
       max_norm: positive Python float.
@@ -53,6 +55,7 @@ def clip_by_norm(max_norm: float) -> AdjointTransformation:
 
     Raises:
       TypeError / ValueError: ``max_norm`` is not a positive number.
+      TypeError (at init): the adjoint spec is not a floating array spec.
     """
     name = "clip_by_norm"
     max_norm = require_number(name, "max_norm", max_norm, low=0.0, low_open=True)

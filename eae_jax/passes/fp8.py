@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eae_jax.passes._util import require_float_spec, require_int, round_trip
+from eae_jax.passes._util import abs_max, require_float_spec, require_int, round_trip
 from eae_jax.passes.base import AdjointTransformation
 
 _FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
@@ -76,6 +76,10 @@ def fp8_quant(format: str = "e4m3", scaling: str = "current", history_len: int =
       otherwise get an infinite scale or a subnormal inverse (flushed to 0)
       and come out NaN or zero.
 
+    An empty (size-0) adjoint is a legal adjoint: it is returned unchanged
+    and counts as an all-zero one (``amax = 0``: the scale falls back to
+    1.0 and a 0 is recorded in the history), as in every built-in pass.
+
     Args:
       format: ``'e4m3'`` or ``'e5m2'``.
       scaling: ``'current'`` or ``'delayed'``.
@@ -88,6 +92,7 @@ def fp8_quant(format: str = "e4m3", scaling: str = "current", history_len: int =
 
     Raises:
       ValueError: unknown format or scaling, bad ``history_len``/``margin``.
+      TypeError (at init): the adjoint spec is not a floating array spec.
     """
     fp8_max = fp8_format_max(format)
     fp8_dtype = _FORMATS[format]
@@ -112,7 +117,7 @@ def fp8_quant(format: str = "e4m3", scaling: str = "current", history_len: int =
     def update(adjoint, state, ctx):
         del ctx
         t = adjoint.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(t))
+        amax = abs_max(t)  # 0 for an empty adjoint
         if scaling == "current":
             scale = _scale_from_amax(amax, fp8_max, margin, jnp.ones_like(amax))
             new_state = Fp8State(scale, amax[None])

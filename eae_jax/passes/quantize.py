@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from eae_jax.dtypes import dtype_name, parse_compute_dtype
-from eae_jax.passes._util import divide_exact, require_float_spec, round_trip
+from eae_jax.passes._util import abs_max, divide_exact, require_float_spec, round_trip
 from eae_jax.passes.base import AdjointTransformation, stateless
 
 
@@ -55,7 +55,9 @@ def int8_fake_quant() -> AdjointTransformation:
 
     In float32: ``scale = max|g| / 127``, ``q = clip(round(g / scale), -127,
     127)`` (round half to even), result ``(q * scale)`` cast back to the
-    adjoint's dtype. An all-zero adjoint is returned unchanged; a tiny one
+    adjoint's dtype. An all-zero adjoint is returned unchanged, and so is an
+    empty (size-0) one, which counts as all-zero (scale 0), as in every
+    built-in pass; a tiny one
     (``max|g| < 127 * finfo(float32).tiny``, whose scale would be subnormal
     and flushed to zero) is quantized scaled up by ``2**64`` and scaled
     back, instead of turning into NaN. This is the
@@ -67,6 +69,9 @@ def int8_fake_quant() -> AdjointTransformation:
 
     Returns:
       An `AdjointTransformation` with `Int8State`.
+
+    Raises:
+      TypeError (at init): the adjoint spec is not a floating array spec.
     """
     name = "int8_fake_quant"
 
@@ -78,7 +83,7 @@ def int8_fake_quant() -> AdjointTransformation:
     def update(adjoint, state, ctx):
         del state, ctx
         t = adjoint.astype(jnp.float32)
-        max_abs = jnp.max(jnp.abs(t))
+        max_abs = abs_max(t)  # 0 for an empty adjoint
         scale = divide_exact(max_abs, 127.0)  # IEEE division, as torch does (see divide_exact)
         is_zero = max_abs == 0
         # A tiny adjoint (max|g| < 127 * smallest normal) has a subnormal

@@ -52,6 +52,13 @@ def _scaled_moments(t: jax.Array, moments):
     return mean * m, std * m, norm * m
 
 
+def _zero_stats() -> StatsState:
+    """All statistics 0/False, ``numel`` 0: the initial state, and that of an empty adjoint."""
+    zero = jnp.zeros((), jnp.float32)
+    false = jnp.zeros((), jnp.bool_)
+    return StatsState(zero, zero, zero, zero, zero, jnp.zeros((), jnp.int32), false, false)
+
+
 def statistics() -> AdjointTransformation:
     """Observe the adjoint without changing it.
 
@@ -63,10 +70,17 @@ def statistics() -> AdjointTransformation:
     boundary (scanned segments: one entry per boundary along the leading
     axis). `eae_jax.events.emit_step_events` turns them into events.
 
+    An empty (size-0) adjoint is a legal adjoint and passes through like any
+    other (as in every built-in pass); its statistics are ``numel`` 0,
+    ``norm`` 0, ``has_nan``/``has_inf`` False, and ``mean, std, min, max``
+    (undefined over no entries) reported as 0 -- the state `init` gives,
+    i.e. that of an all-zero adjoint with ``numel`` 0 saying it is empty.
+
     Returns:
       An `AdjointTransformation` with `StatsState`.
 
     Raises:
+      TypeError (at init): the adjoint spec is not a floating array spec.
       ValueError (at init): the adjoint has more than 2**31-1 entries.
     """
     name = "statistics"
@@ -77,14 +91,13 @@ def statistics() -> AdjointTransformation:
         numel = math.prod(spec.shape)
         if numel > _INT32_MAX:
             raise ValueError(f"statistics: adjoint of shape {tuple(spec.shape)} has more than 2**31-1 entries")
-        if numel == 0:
-            raise ValueError(f"statistics: adjoint of shape {tuple(spec.shape)} is empty")
-        zero = jnp.zeros((), jnp.float32)
-        false = jnp.zeros((), jnp.bool_)
-        return StatsState(zero, zero, zero, zero, zero, jnp.zeros((), jnp.int32), false, false)
+        return _zero_stats()
 
     def update(adjoint, state, ctx):
         del state, ctx
+        if adjoint.size == 0:
+            # min/max have no identity; mean/std would be 0/0. Static shape: a trace-time choice.
+            return adjoint, _zero_stats()
         t = adjoint.astype(jnp.float32)
         has_nan, has_inf = jnp.any(jnp.isnan(t)), jnp.any(jnp.isinf(t))
         moments = _moments(t)

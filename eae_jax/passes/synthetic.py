@@ -70,6 +70,15 @@ def init_predictor(key: jax.Array, feature_dim: int, hidden_dim: int) -> dict:
     }
 
 
+def _empty_predictor(hidden_dim: int) -> dict:
+    """The predictor of a zero-width adjoint (``F == 0``): zero-size weights,
+    fc1 bias 0 (torch draws a ``fan_in == 0`` bias from ``U(0, 0)``)."""
+    return {
+        "fc1": {"w": jnp.zeros((hidden_dim, 0), jnp.float32), "b": jnp.zeros((hidden_dim,), jnp.float32)},
+        "fc2": {"w": jnp.zeros((0, hidden_dim), jnp.float32), "b": jnp.zeros((0,), jnp.float32)},
+    }
+
+
 def predictor_apply(params: dict, flat: jax.Array) -> jax.Array:
     """``Linear -> ReLU -> Linear`` on float32 rows ``flat: (N, feature)``; returns ``(N, feature)``."""
     h = jnp.dot(flat, params["fc1"]["w"].T, precision=_HI) + params["fc1"]["b"]
@@ -106,6 +115,12 @@ def synthetic_gradient(hidden_dim: int = 64, lr: float = 1e-3, warmup_steps: int
     design and let scanned segments vmap them). The predictor has ``2*F*H``
     weights per boundary, so it is meant for small activations.
 
+    An empty (size-0) adjoint is a legal adjoint: it is returned unchanged
+    and the state too (no Adam step, ``count`` not advanced: the loss over
+    no entries is undefined), as in every built-in pass. For ``F == 0``
+    (e.g. shape ``(4, 0)``) the predictor has zero-size weights and an fc1
+    bias of zeros (torch's ``nn.Linear(0, H)`` init).
+
     Args:
       hidden_dim: predictor width H, >= 1.
       lr: Adam learning rate, >= 0.
@@ -121,6 +136,8 @@ def synthetic_gradient(hidden_dim: int = 64, lr: float = 1e-3, warmup_steps: int
     Raises:
       TypeError / ValueError: bad hyper-parameters, or predictor_params whose
         shapes do not fit the adjoint (raised by init).
+      TypeError (at init): the adjoint spec is not a floating array spec, or
+        no PRNG key is given without predictor_params.
     """
     name = "synthetic_gradient"
     hidden_dim = require_int(name, "hidden_dim", hidden_dim, low=1)
@@ -136,18 +153,18 @@ def synthetic_gradient(hidden_dim: int = 64, lr: float = 1e-3, warmup_steps: int
     def init(spec, key):
         require_float_spec(name, spec)
         feature = feature_dim(spec.shape)
-        if feature == 0:
-            raise ValueError(f"{name}: adjoint of shape {tuple(spec.shape)} is empty")
         if predictor_params is None:
             if key is None:
                 raise TypeError(f"{name}: init needs a PRNG key to draw the predictor (or give predictor_params)")
-            params = init_predictor(key, feature, hidden_dim)
+            params = init_predictor(key, feature, hidden_dim) if feature else _empty_predictor(hidden_dim)
         else:
             params = _check_predictor(name, predictor_params, feature, hidden_dim)
         return SyntheticState(params, opt.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def update(adjoint, state, ctx):
         del ctx
+        if adjoint.size == 0:  # nothing to fit (mean over no entries); static shape
+            return adjoint, state
         flat = _flatten(adjoint).astype(jnp.float32)
         loss, grads = jax.value_and_grad(loss_fn)(state.params, flat)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)

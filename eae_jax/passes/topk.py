@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -27,7 +26,12 @@ class TopKState(NamedTuple):
 
 
 def num_kept(numel: int, ratio: float) -> int:
-    """``k = max(1, int(numel * (1 - ratio)))``: entries `topk_compress` keeps (before ties)."""
+    """``k = max(1, int(numel * (1 - ratio)))``: entries `topk_compress` keeps (before ties).
+
+    0 for ``numel == 0`` (an empty adjoint has nothing to keep).
+    """
+    if numel == 0:
+        return 0
     return max(1, int(numel * (1.0 - ratio)))
 
 
@@ -47,6 +51,9 @@ def topk_compress(ratio: float, error_feedback: bool = True) -> AdjointTransform
     classic error-feedback scheme of sparsified SGD). Without it this is
     exactly ``AdjointState.compress(ratio)``.
 
+    An empty (size-0) adjoint is a legal adjoint: it is returned unchanged
+    with ``kept`` 0 and an empty residual, as in every built-in pass.
+
     Args:
       ratio: Python float in ``[0, 1)``.
       error_feedback: carry the residual in the state.
@@ -57,6 +64,7 @@ def topk_compress(ratio: float, error_feedback: bool = True) -> AdjointTransform
 
     Raises:
       TypeError / ValueError: ``ratio`` outside ``[0, 1)``.
+      TypeError (at init): the adjoint spec is not a floating array spec.
     """
     ratio = require_number("topk_compress", "ratio", ratio, low=0.0, high=1.0, high_open=True)
     if not isinstance(error_feedback, bool):
@@ -66,8 +74,6 @@ def topk_compress(ratio: float, error_feedback: bool = True) -> AdjointTransform
     def init(spec, key):
         del key
         require_float_spec(name, spec)
-        if math.prod(spec.shape) == 0:
-            raise ValueError(f"{name}: adjoint of shape {tuple(spec.shape)} is empty")
         residual = jnp.zeros(spec.shape, jnp.float32) if error_feedback else None
         return TopKState(residual, jnp.zeros((), jnp.int32))
 

@@ -140,9 +140,15 @@ def encode_like(tree: Any, like: AdjointCarry, calls: Any = 1.0) -> AdjointCarry
             "of the shapes the stack is called with")
     if treedef != like.treedef:
         raise ValueError(f"carry structure changed ({hint}): {treedef} vs {like.treedef}")
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     encoded = []
-    for x, c, ref in zip(leaves, like.codecs, like.leaves):
-        e = _encode_leaf(jnp.asarray(x), c)
+    for x, c, ref, path in zip(leaves, like.codecs, like.leaves, paths):
+        x = jnp.asarray(x)
+        if _codec_for(x).kind != c.kind or (c.kind != "float" and _codec_for(x).dtype != c.dtype):
+            # Stored as raw bits, a leaf of another dtype would be reinterpreted (1.0f read as 1065353216).
+            raise ValueError(f"pass state leaf {path} changed dtype from {c.dtype} to {x.dtype}: a pass's update "
+                             "must return its state in the dtypes its init made")
+        e = _encode_leaf(x, c)
         if e.shape != ref.shape:
             raise ValueError(f"carry leaf shape changed from {ref.shape} to {e.shape} ({hint})")
         encoded.append(e.astype(ref.dtype))

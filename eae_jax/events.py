@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from eae_jax.carry import AdjointCarry
+from eae_jax.passes.base import runs_at
 
 
 class EventType:
@@ -203,7 +205,7 @@ def summarize_state(state: Any) -> Dict[str, Any]:
         arr = np.asarray(value)
         if arr.ndim == 0:
             out[name] = _scalar(arr)
-        elif np.issubdtype(arr.dtype, np.number):
+        elif jnp.issubdtype(arr.dtype, jnp.number):  # bfloat16 and the float8s too (numpy's test misses them)
             out[f"{name}_norm"] = float(np.linalg.norm(arr.astype(np.float64).ravel()))
     return out
 
@@ -289,10 +291,12 @@ def emit_step_events(bus: EventBus, stack, stats: Dict[str, Any], state: Any = N
     of the adjoint it produced at boundary i; not for the output), then per
     pass ``PassApplied(pass_name, pass_index, layer_id, block_index,
     **summarize_state(its state))``, plus ``AdjointModified(pass_name,
-    layer_id, mean, std, ...)`` for a `statistics` pass (the seed's
-    LoggingPass event); finally ``TrainStepFinished(step, loss, calls,
-    **extra)``. Boundaries that carry no adjoint (int inputs) get no pass
-    events and ``grad_norm=None``.
+    layer_id, mean, std, ...)`` for a `statistics` pass where it ran in
+    this step (the seed's LoggingPass event); finally
+    ``TrainStepFinished(step, loss, calls, **extra)``. Boundaries that
+    carry no adjoint (int inputs) get no pass events and ``grad_norm=None``
+    when ``state`` is given (without it they cannot be told apart and
+    report the zero norm the step recorded).
 
     ``PassApplied`` is emitted at every boundary the chain runs at; a pass
     wrapped in `at_layers`/`every_n_steps` reports its (unchanged) state
@@ -353,7 +357,9 @@ def emit_step_events(bus: EventBus, stack, stats: Dict[str, Any], state: Any = N
             summary = summarize_state(mstate)
             emit(EventType.PASS_APPLIED, pass_name=member.name, pass_index=idx, layer_id=boundary,
                  block_index=boundary, **summary)
-            if type(mstate).__name__ == "StatsState":
+            # Only statistics measured in this step, at this boundary (not an at_layers / every_n_steps
+            # pass's untouched state, which would read as zero or stale statistics).
+            if type(mstate).__name__ == "StatsState" and runs_at(member, boundary, num, step):
                 emit(EventType.ADJOINT_MODIFIED, pass_name=member.name, layer_id=boundary, block_index=boundary,
                      **summary)
 

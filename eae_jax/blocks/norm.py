@@ -27,8 +27,12 @@ def rms_norm(params: dict, x: jax.Array, eps: float = 1e-6) -> jax.Array:
       Array of ``x``'s shape; dtype is ``x.dtype`` promoted with ``scale``'s.
 
     Raises:
+      TypeError: ``x`` is not floating point (an integer input would be
+        normalised and then truncated back to integers).
       ValueError: last axis of ``x`` differs from the width of ``scale``.
     """
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"rms_norm: input must be floating point, got dtype {x.dtype}")
     scale = params["scale"]
     if x.shape[-1] != scale.shape[-1]:
         raise ValueError(f"rms_norm: input width {x.shape[-1]} != scale width {scale.shape[-1]} (x shape {x.shape})")

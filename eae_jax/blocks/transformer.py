@@ -54,8 +54,24 @@ class BlockConfig:
     attention_impl: Optional[str] = None
 
     def __post_init__(self):
+        import math
+        import numbers
+
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
+        ints = ("dim", "num_heads", "num_kv_heads", "multiple_of", "max_seq_len") + (
+            ("ffn_hidden_dim",) if self.ffn_hidden_dim is not None else ())
+        for name in ints:  # a float 32.0 fails much later, deep inside init, with a JAX shape error
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"BlockConfig {name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or \
+                    value < 0 or (name == "rope_theta" and value <= 1):
+                want = "> 1" if name == "rope_theta" else ">= 0"
+                raise ValueError(f"BlockConfig {name} must be a finite number {want}, got {value!r}")
         if self.ffn_hidden_dim is None:
             object.__setattr__(self, "ffn_hidden_dim", default_ffn_hidden_dim(self.dim, self.multiple_of))
         if self.dim <= 0 or self.num_heads <= 0 or self.num_kv_heads <= 0:
@@ -187,8 +203,10 @@ def decoder_block(
         signature.
 
     Raises (when called):
-      ValueError: wrong input rank or width, or sequence longer than
-        ``cfg.max_seq_len``.
+      ValueError: wrong input rank or width, sequence longer than
+        ``cfg.max_seq_len``, or (default FFN and attention) params that do
+        not fit ``cfg`` (`check_block_params`, every problem listed).
+      TypeError: a non-floating input.
     """
     ffn = ffn_fn or swiglu
     attention = attention_fn or causal_attention
@@ -196,6 +214,8 @@ def decoder_block(
     def block(params: dict, x: jax.Array) -> jax.Array:
         if x.ndim != 3 or x.shape[-1] != cfg.dim:
             raise ValueError(f"decoder block expects input (batch, seq, {cfg.dim}), got shape {x.shape}")
+        if ffn_fn is None and attention_fn is None:  # replacements may take params of their own form
+            check_block_params(params, cfg)
         if cfg.compute_dtype is not None:
             x = x.astype(cfg.compute_dtype)
             params = jax.tree_util.tree_map(
@@ -223,9 +243,18 @@ def plain_stack(block_fn: Callable, params: Any, x: jax.Array, remat_policy: Any
       params: stacked params (leading depth axis).
       x: input.
       remat_policy: ``'none'`` (store every internal, J-plain), or a
-        `jax.checkpoint_policies` policy (J-remat).
+        `jax.checkpoint_policies` policy or one of `eae_jax.reconstruct`'s
+        policy names (``'boundaries'``, ``'dots'``, ...) (J-remat).
+
+    Raises:
+      ValueError: an unknown policy name.
     """
-    fn = block_fn if remat_policy == "none" else jax.checkpoint(block_fn, policy=remat_policy)
+    if isinstance(remat_policy, str) and remat_policy == "none":
+        fn = block_fn
+    else:
+        from eae_jax.reconstruct import resolve_policy  # reconstruct builds on blocks
+
+        fn = jax.checkpoint(block_fn, policy=resolve_policy(remat_policy))
 
     def body(h, p):
         return fn(p, h), None

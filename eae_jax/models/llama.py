@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eae_jax.blocks.linear import linear
 from eae_jax.blocks.norm import init_rms_norm, rms_norm
@@ -44,8 +45,15 @@ class LMConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self):
-        if self.vocab_size < 1 or self.depth < 1:
-            raise ValueError(f"vocab_size and depth must be >= 1, got {self.vocab_size}, {self.depth}")
+        import numbers
+
+        for name in ("vocab_size", "depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"LMConfig {name} must be an int >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if not isinstance(self.block, BlockConfig):
+            raise TypeError(f"LMConfig block must be a BlockConfig, got {type(self.block).__name__}")
 
     @property
     def dim(self) -> int:
@@ -79,21 +87,53 @@ def check_lm_params(params: Any, cfg: LMConfig) -> None:
     want = {"embed", "blocks", "final_norm"} | (set() if cfg.tie_embeddings else {"lm_head"})
     problems = [f"missing {k}" for k in sorted(want - set(params))]
     problems += [f"unexpected {k}" for k in sorted(set(params) - want)]
-    if "embed" in params and tuple(params["embed"].shape) != (cfg.vocab_size, cfg.dim):
-        problems.append(f"embed: shape {tuple(params['embed'].shape)}, expected {(cfg.vocab_size, cfg.dim)}")
-    if "lm_head" in params and "lm_head" in want and tuple(params["lm_head"].shape) != (cfg.vocab_size, cfg.dim):
-        problems.append(f"lm_head: shape {tuple(params['lm_head'].shape)}, expected {(cfg.vocab_size, cfg.dim)}")
-    if "final_norm" in params and tuple(params["final_norm"]["scale"].shape) != (cfg.dim,):
-        problems.append(f"final_norm/scale: shape {tuple(params['final_norm']['scale'].shape)}, expected {(cfg.dim,)}")
+    def shape_problem(name, value, expected):
+        if not hasattr(value, "shape"):
+            return f"{name}: expected an array of shape {expected}, got {type(value).__name__}"
+        return None if tuple(value.shape) == expected else f"{name}: shape {tuple(value.shape)}, expected {expected}"
+
+    table = (cfg.vocab_size, cfg.dim)
+    if "embed" in params:
+        problems.append(shape_problem("embed", params["embed"], table))
+    if "lm_head" in params and "lm_head" in want:
+        problems.append(shape_problem("lm_head", params["lm_head"], table))
+    if "final_norm" in params:
+        norm = params["final_norm"]
+        if not isinstance(norm, dict) or "scale" not in norm:
+            problems.append(f"final_norm: expected {{'scale': ({cfg.dim},)}}, got "
+                            f"{sorted(norm) if isinstance(norm, dict) else type(norm).__name__}")
+        else:
+            problems.append(shape_problem("final_norm/scale", norm["scale"], (cfg.dim,)))
+    problems = [p for p in problems if p]
     if problems:
         raise ValueError("LM params do not match the config:\n  " + "\n  ".join(problems))
     check_block_params(params["blocks"], cfg.block, leading=(cfg.depth,), where="blocks")
 
 
+def _check_ids(ids: jax.Array, vocab: int, what: str) -> None:
+    """Refuse concrete ids outside ``[0, vocab)`` (traced ids cannot be read:
+    under jit an out-of-range id gives NaN rows, which the train step's
+    non-finite checks catch)."""
+    if isinstance(ids, jax.core.Tracer) or ids.size == 0:
+        return
+    values = np.asarray(ids)
+    low, top = int(values.min()), int(values.max())
+    if low < 0 or top >= vocab:
+        bad = values[(values < 0) | (values >= vocab)]
+        why = " (a negative id would silently wrap around to the end of the vocabulary)" if low < 0 else ""
+        raise ValueError(f"{what} must lie in [0, {vocab}), got {sorted(set(bad.tolist()))[:8]}{why}")
+
+
 def embed(table: jax.Array, tokens: jax.Array, dtype: Optional[Any] = None) -> jax.Array:
-    """Look up ``tokens`` (int, ``(batch, seq)``) in ``table`` ``(V, D)`` -> ``(batch, seq, D)``."""
+    """Look up ``tokens`` (int, ``(batch, seq)``) in ``table`` ``(V, D)`` -> ``(batch, seq, D)``.
+
+    Raises:
+      TypeError: non-integer ids.
+      ValueError: concrete ids outside ``[0, V)``.
+    """
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"token ids must be integers, got dtype {tokens.dtype}")
+    _check_ids(tokens, table.shape[0], "token ids")
     out = jnp.take(table, tokens, axis=0)
     return out if dtype is None else out.astype(dtype)
 
@@ -109,22 +149,44 @@ def _head_table(params: dict, cfg: LMConfig) -> jax.Array:
 
 
 def lm_apply(params: dict, tokens: jax.Array, cfg: LMConfig, remat_policy: Any = "none") -> jax.Array:
-    """Plain forward: float32 logits ``(batch, seq, V)`` for int tokens ``(batch, seq)``."""
+    """Plain forward: float32 logits ``(batch, seq, V)`` for int tokens ``(batch, seq)``.
+
+    Raises:
+      ValueError: params that do not fit ``cfg`` (`check_lm_params`), or
+        concrete token ids outside ``[0, V)``.
+    """
+    check_lm_params(params, cfg)
     x = embed(params["embed"], tokens, cfg.block.compute_dtype)
     x = plain_stack(decoder_block(cfg.block), params["blocks"], x, remat_policy)
     return head(params["final_norm"], _head_table(params, cfg), x, cfg.block.norm_eps)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: Optional[jax.Array] = None) -> jax.Array:
-    """Mean token cross-entropy in float32 (``mask`` selects the counted tokens)."""
+    """Mean token cross-entropy in float32 (``mask`` selects the counted tokens).
+
+    Targets where ``mask`` is 0 may hold anything (an ignore index such as
+    -100, a pad id ``>= V``): they are never read into the loss.
+
+    Raises:
+      ValueError: concrete targets outside ``[0, V)`` where they count.
+    """
     logits = logits.astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    nll = logz - picked
+    vocab = logits.shape[-1]
     if mask is None:
+        _check_ids(targets, vocab, "targets")
+    elif not isinstance(mask, jax.core.Tracer):
+        _check_ids(targets[np.asarray(mask).astype(bool)] if not isinstance(targets, jax.core.Tracer) else targets,
+                   vocab, "unmasked targets")
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    counted = None if mask is None else mask.astype(bool)
+    # Masked-out targets may be out of range (take_along_axis reads NaN there, and NaN * 0 is NaN);
+    # counted ones are left as they are, so a traced out-of-range target still shows as NaN.
+    safe = targets if counted is None else jnp.where(counted, targets, 0)
+    picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+    nll = logz - picked
+    if counted is None:
         return jnp.mean(nll)
-    mask = mask.astype(jnp.float32)
-    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    return jnp.sum(jnp.where(counted, nll, 0.0)) / jnp.maximum(jnp.sum(counted.astype(jnp.float32)), 1.0)
 
 
 def lm_stack(cfg: LMConfig, block_fn=None, **reconstruct_kwargs):

@@ -22,7 +22,7 @@ state (what each records is in its docstring), under jit as well.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +55,24 @@ class AdjointTransformation(NamedTuple):
       update: transforms one adjoint.
       name: used in error messages, events and stats.
       members: for a `chain`, the flattened passes it is made of.
+      runs_at: host-side rule ``(boundary, num_boundaries, step) -> bool``
+        saying where ``update`` really applies the pass (`at_layers`,
+        `every_n_steps`); None: at every boundary and step. Events use it
+        to report only statistics measured in the step.
     """
 
     init: Callable[[jax.ShapeDtypeStruct, jax.Array], Any]
     update: Callable[[jax.Array, Any, PassContext], tuple]
     name: str = "pass"
     members: tuple = ()
+    runs_at: Optional[Callable[[int, int, int], bool]] = None
+
+
+def runs_at(pass_: AdjointTransformation, boundary: int, num_boundaries: int, step: int) -> bool:
+    """Whether ``pass_`` is applied at ``boundary`` of a stack with
+    ``num_boundaries`` boundaries in train step ``step`` (host-side)."""
+    rule = getattr(pass_, "runs_at", None)
+    return True if rule is None else bool(rule(int(boundary), int(num_boundaries), int(step)))
 
 
 class EmptyState(NamedTuple):
@@ -238,7 +250,10 @@ def at_layers(pass_: Any, layers: Sequence[int]) -> AdjointTransformation:
             state,
         )
 
-    return AdjointTransformation(init, update, f"at_layers({inner.name}, {list(layers)})")
+    def where(boundary, num, step):
+        return boundary in {i % num for i in layers} and runs_at(inner, boundary, num, step)
+
+    return AdjointTransformation(init, update, f"at_layers({inner.name}, {list(layers)})", runs_at=where)
 
 
 def every_n_steps(pass_: Any, n: int) -> AdjointTransformation:
@@ -261,4 +276,7 @@ def every_n_steps(pass_: Any, n: int) -> AdjointTransformation:
             state,
         )
 
-    return AdjointTransformation(inner.init, update, f"every_n_steps({inner.name}, {n})")
+    def when(boundary, num, step):
+        return step % n == 0 and runs_at(inner, boundary, num, step)
+
+    return AdjointTransformation(inner.init, update, f"every_n_steps({inner.name}, {n})", runs_at=when)

@@ -144,7 +144,8 @@ def encode_like(tree: Any, like: AdjointCarry, calls: Any = 1.0) -> AdjointCarry
     encoded = []
     for x, c, ref, path in zip(leaves, like.codecs, like.leaves, paths):
         x = jnp.asarray(x)
-        if _codec_for(x).kind != c.kind or (c.kind != "float" and _codec_for(x).dtype != c.dtype):
+        now = _codec_for(x)
+        if now.kind != c.kind or (c.kind != "float" and now.dtype != c.dtype):
             # Stored as raw bits, a leaf of another dtype would be reinterpreted (1.0f read as 1065353216).
             raise ValueError(f"pass state leaf {path} changed dtype from {c.dtype} to {x.dtype}: a pass's update "
                              "must return its state in the dtypes its init made")

@@ -192,15 +192,16 @@ def _plausible_v0_header(h) -> bool:
             and 0 < seq < 1 << 24)
 
 
-def _is_exact_v0_file(head: bytes, size: int) -> bool:
-    """Whether ``head`` is a plausible legacy llama2.c header of a file of exactly ``size`` bytes."""
+def _v0_header_and_size(head: bytes):
+    """``(header fields, file size they imply)`` when ``head`` starts with a
+    plausible legacy llama2.c header, else None."""
     if len(head) < 28:
-        return False
+        return None
     h = struct.unpack("<7i", head[:28])
     if not _plausible_v0_header(h):
-        return False
+        return None
     dim, hidden, layers, heads, kv, vocab, seq = h
-    return size == llama2c_bin_size(dim, hidden, layers, heads, kv, abs(vocab), seq, vocab > 0, 0)
+    return h, llama2c_bin_size(dim, hidden, layers, heads, kv, abs(vocab), seq, vocab > 0, 0)
 
 
 def detect_format(path: str) -> str:
@@ -226,7 +227,8 @@ def detect_format(path: str) -> str:
         head = f.read(64)
     if size == 0:
         raise CorruptCheckpointError(f"{path}: the file is empty")
-    if _is_exact_v0_file(head, size):
+    v0 = _v0_header_and_size(head)
+    if v0 is not None and v0[1] == size:
         # Checked before the pickle opcode: a legacy header's dim of 128 + 256k starts with byte 0x80 too
         # (and 640 + 1024k with 0x80 0x02, a protocol-2 pickle's first two bytes).
         return "llama2c_bin_v0"
@@ -251,21 +253,16 @@ def detect_format(path: str) -> str:
             if version in (1, 2):  # version 2 (Q8_0) is recognised only to be refused by name
                 return f"llama2c_bin_v{version}"
             raise UnknownFormatError(f"{path}: llama2.c magic 'ak42' with unknown version {version}")
-    if len(head) >= 28:
-        h = struct.unpack("<7i", head[:28])
-        if _plausible_v0_header(h):
-            dim, hidden, layers, heads, kv, vocab, seq = h
-            want = llama2c_bin_size(dim, hidden, layers, heads, kv, abs(vocab), seq, vocab > 0, 0)
-            if size == want:
-                return "llama2c_bin_v0"
-            if size < want or (size - want) % 4 == 0:
-                # Shorter: truncated. Longer by whole floats: a llama2.c file with data after its last
-                # tensor (another byte count would be an unrelated file whose first bytes look like a header).
-                raise CorruptCheckpointError(
-                    f"{path}: llama2.c legacy header (dim={dim}, hidden_dim={hidden}, n_layers={layers}, "
-                    f"n_heads={heads}, n_kv_heads={kv}, vocab_size={vocab}, seq_len={seq}) needs {want} bytes, "
-                    f"the file has {size}: " + ("it is truncated" if size < want else
-                                                f"it has {size - want} trailing bytes after the last tensor"))
+    if v0 is not None:
+        (dim, hidden, layers, heads, kv, vocab, seq), want = v0
+        if size < want or (size - want) % 4 == 0:
+            # Shorter: truncated. Longer by whole floats: a llama2.c file with data after its last
+            # tensor (another byte count would be an unrelated file whose first bytes look like a header).
+            raise CorruptCheckpointError(
+                f"{path}: llama2.c legacy header (dim={dim}, hidden_dim={hidden}, n_layers={layers}, "
+                f"n_heads={heads}, n_kv_heads={kv}, vocab_size={vocab}, seq_len={seq}) needs {want} bytes, "
+                f"the file has {size}: " + ("it is truncated" if size < want else
+                                            f"it has {size - want} trailing bytes after the last tensor"))
     shown = head[:16].hex(" ")
     raise UnknownFormatError(
         f"{path}: unknown checkpoint format ({size} bytes, first bytes {shown}); supported: a Hugging Face "

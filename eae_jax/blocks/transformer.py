@@ -74,8 +74,6 @@ class BlockConfig:
                 raise ValueError(f"BlockConfig {name} must be a finite number {want}, got {value!r}")
         if self.ffn_hidden_dim is None:
             object.__setattr__(self, "ffn_hidden_dim", default_ffn_hidden_dim(self.dim, self.multiple_of))
-        if self.dim <= 0 or self.num_heads <= 0 or self.num_kv_heads <= 0:
-            raise ValueError(f"dim, num_heads and num_kv_heads must be positive, got {self.dim}, {self.num_heads}, {self.num_kv_heads}")
         if self.dim % self.num_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:

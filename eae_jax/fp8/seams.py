@@ -1188,14 +1188,13 @@ def bind(
     thr = seam.config.gate_cos if gate_cos is None else float(gate_cos)
     if not 0.0 <= thr <= 1.0:  # NaN fails too
         raise ValueError(f"seam {seam.name!r}: gate_cos must be in [0, 1], got {gate_cos}")
-    hp_w = params.hp if isinstance(params, FrozenParams) else params
-    bad_dtype = [f"{n}: {hp_w[n].dtype}" for n in seam.weights if not jnp.issubdtype(hp_w[n].dtype, jnp.floating)]
+    hp = params.hp if isinstance(params, FrozenParams) else params
+    bad_dtype = [f"{n}: {hp[n].dtype}" for n in seam.weights if not jnp.issubdtype(hp[n].dtype, jnp.floating)]
     if bad_dtype:
         raise ValueError(f"seam {seam.name!r}: weights must be floating point, got {bad_dtype}")
 
     amax_fn = jax.jit(functools.partial(amax_points, seam))
     amax = np.stack([np.asarray(amax_fn(params, s)) for s in samples])
-    hp = params.hp if isinstance(params, FrozenParams) else params
     bad_w = [n for n in seam.weights if not bool(jnp.all(jnp.isfinite(hp[n])))]
     if bad_w:
         raise ValueError(f"seam {seam.name!r}: weights {bad_w} contain NaN or inf; nothing to calibrate")

@@ -174,9 +174,8 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: Optional[jax.Arra
     vocab = logits.shape[-1]
     if mask is None:
         _check_ids(targets, vocab, "targets")
-    elif not isinstance(mask, jax.core.Tracer):
-        _check_ids(targets[np.asarray(mask).astype(bool)] if not isinstance(targets, jax.core.Tracer) else targets,
-                   vocab, "unmasked targets")
+    elif not isinstance(mask, jax.core.Tracer) and not isinstance(targets, jax.core.Tracer):
+        _check_ids(targets[np.asarray(mask).astype(bool)], vocab, "unmasked targets")
     logz = jax.nn.logsumexp(logits, axis=-1)
     counted = None if mask is None else mask.astype(bool)
     # Masked-out targets may be out of range (take_along_axis reads NaN there, and NaN * 0 is NaN);

@@ -17,6 +17,10 @@ back and synchronised once, median of 3 rounds (what a training loop sees).
 jitted function, each on its own input and its own parameters (nothing
 computed once for all copies), per call: the seam as one layer
 of a larger program, with no host dispatch per call.
+The eae FFN rows time the forward as `fp8.apply` runs it (the ledger's
+statistics are computed only where a backward or the caller asks for them,
+as Flax computes its amax only for its backward); "fwd+ledger" times
+`fp8.apply_with_ledger`, which returns the call's counts and amax too.
 Train steps feed their outputs back (real steps, params donated).
 
 What "fp8" means here: `eae_jax.fp8` seams (e4m3 forward GEMMs on
@@ -92,6 +96,8 @@ def hlo_counts(compiled) -> Dict[str, int]:
         "conditionals": text.count(" conditional("),
         "whiles": text.count(" while("),
         "copies": len(re.findall(r"\bcopy\(", text)),
+        # Reductions (amax, counts): what a forward computes beyond its GEMMs.
+        "reduces": len(re.findall(r"\breduce\(", text)),
     }
 
 
@@ -442,11 +448,25 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                     f"({extra['fwd_with_cast_speedup']:.2f}x bf16, pipelined "
                     f"{extra['fwd_with_cast_speedup_pipelined']:.2f}x)")
                 st = jax.jit(functools.partial(fp8.cast_weights, seam))(st, pb)
-            fwd = timed(lambda s, p, x: fp8.apply_with_ledger(seam, s, p, x), (st, pb, h), args.warmup, args.iters)
-            y, inc = fwd["out"]
+            # The forward as `fp8.apply` runs it (inference, or any call whose
+            # counts are not asked for: the ledger statistics are left out,
+            # as Flax's forward leaves out its amax), and with the ledger's
+            # increments returned (`apply_with_ledger`: a second pass over
+            # the GEMM output for the hidden's amax, and the input's).
+            fwd = timed(lambda s, p, x: fp8.apply(seam, s, p, x), (st, pb, h), args.warmup, args.iters)
+            fwd_l = timed(lambda s, p, x: fp8.apply_with_ledger(seam, s, p, x), (st, pb, h),
+                          args.warmup, args.iters)
+            y, inc = fwd_l["out"]
             fb = timed(fb_of(lambda s, p, x: fp8.apply(seam, s, p, x), (0, 1, 2)), (st, pb, h, ct),
                        args.warmup, args.iters)
-            gfwd = graph(lambda s, p, x: fp8.apply_with_ledger(seam, s, p, x), (st, pb, h), 2)
+            gfwd = graph(lambda s, p, x: fp8.apply(seam, s, p, x), (st, pb, h), 2)
+            gfwd_l = graph(lambda s, p, x: fp8.apply_with_ledger(seam, s, p, x), (st, pb, h), 2)
+            extra.update({"fwd_ledger": strip(fwd_l), "graph_fwd_ledger": gfwd_l,
+                          "fwd_ledger_speedup": bf_fwd["median_ms"] / fwd_l["median_ms"],
+                          "fwd_ledger_speedup_pipelined": bf_fwd["pipelined_ms"] / fwd_l["pipelined_ms"]})
+            if gfwd_l and bf_gfwd:
+                extra["graph_fwd_ledger_speedup"] = (bf_gfwd["per_call_pipelined_ms"]
+                                                     / gfwd_l["per_call_pipelined_ms"])
             gfb = graph(fb_of(lambda s, p, x: fp8.apply(seam, s, p, x), (0, 1, 2)), (st, pb, h, ct), 2)
             _, (g_state, g_p, g_x) = fb["out"]
             record(name, fwd, fb, y, g_x, g_p, {
@@ -504,6 +524,7 @@ def ffn_section(args) -> List[Dict[str, Any]]:
         ("pipe f+b x", lambda r: r.get("fb_speedup_pipelined")),
         ("graph fwd x", lambda r: r.get("graph_fwd_speedup")),
         ("graph f+b x", lambda r: r.get("graph_fb_speedup")),
+        ("graph fwd+ledger x", lambda r: r.get("graph_fwd_ledger_speedup")),
         ("cos bare", lambda r: r.get("cos_bare")),
         ("dx cos", lambda r: r.get("grad_cos_dx")),
         ("dw cos", lambda r: r.get("grad_cos_dw_min")),

@@ -85,6 +85,12 @@ def test_ffn_cast_weight_variant_matches_delayed_weights(tmp_path, monkeypatch):
         assert cast[key] == delayed[key], key
     assert cast["fwd"]["lowered_fp8_dots"] == 2 and cast["fb"]["lowered_fp8_dots"] == 6
     assert cast["fwd_with_cast"]["median_ms"] > 0 and cast["fwd_with_cast"]["lowered_fp8_dots"] == 2
+    # "fwd" is fp8.apply's forward: the ledger's statistics (amax of the
+    # input and of the hidden) are left to the "fwd+ledger" timing.
+    for row in (cast, delayed):
+        assert row["fwd_ledger"]["lowered_fp8_dots"] == 2 and row["graph_fwd_ledger"]["copies"] == 2
+        assert row["fwd"]["hlo"]["reduces"] < row["fwd_ledger"]["hlo"]["reduces"], row["fwd"]["hlo"]
+        assert row["fwd_ledger_speedup"] > 0 and row["graph_fwd_ledger_speedup"] > 0
 
 
 def test_step_profile_runs_every_guard_variant(tmp_path):
@@ -166,3 +172,26 @@ def test_in_graph_copies_share_no_weight_work(copies):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(f(w, jnp.roll(x, i, axis=0))))
     with pytest.raises(ValueError, match="copies"):
         bench.repeated(f, (w, x), 1, 0)
+
+
+def test_sustained_probe_timeline_stats():
+    """fp8_sustained_probe.timeline_stats: kernel time sums every event,
+    idle time is the traced span minus the union of the events' intervals
+    (two streams overlapping count once), both per call."""
+    spec = importlib.util.spec_from_file_location(
+        "fp8_sustained_probe", os.path.join(ROOT, "experiments", "fp8_sustained_probe.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ev = [{"name": "gemm", "ts": 0.0, "dur": 10.0, "tid": 1},
+          {"name": "copy", "ts": 5.0, "dur": 10.0, "tid": 2},  # overlaps gemm: [0, 15) covered
+          {"name": "gemm", "ts": 20.0, "dur": 6.0, "tid": 1},  # 5 idle before it
+          {"name": "tiny", "ts": 21.0, "dur": 1.0, "tid": 2},  # inside the second gemm
+          {"name": "fuse", "ts": 30.0, "dur": 2.0, "tid": 1}]  # 4 idle before it
+    st = mod.timeline_stats(ev, calls=2)
+    assert st["busy_us"] == pytest.approx(29.0 / 2)
+    assert st["span_us"] == pytest.approx(32.0 / 2)
+    assert st["idle_us"] == pytest.approx(9.0 / 2)
+    kernels = {k[0]: k for k in st["kernels"]}
+    assert kernels["gemm"][1:] == pytest.approx((8.0, 1.0, 8.0))  # per call, calls per call, mean duration
+    assert st["kernels"][0][0] == "gemm"
+    assert mod.timeline_stats([], calls=1)["idle_us"] == 0.0

@@ -21,7 +21,11 @@ def _load():
 @pytest.mark.filterwarnings("ignore::eae_jax.fp8.Fp8FallbackWarning")  # delayed scaling's first steps may fall back
 def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
-    _load().main(["--smoke"])
+    # Every section, FFN variants of each kind (guards on / off, current /
+    # delayed gradient scales, per-channel / per-tensor / delayed weight
+    # scales, per-row activation scales); the cast-weight variants have
+    # their own test below.
+    _load().main(["--smoke", "--ffn-variants", "static,static-u-d,tensorw-d,delayedw-u-d,row"])
     res = json.loads((tmp_path / "bench_fp8_smoke.json").read_text())
     assert set(res) >= {"env", "ffn", "e2e", "train"}
     for section in ("ffn", "e2e", "train"):
@@ -38,9 +42,9 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
         assert ours[key]["copies"] == 2 and ours[key]["per_call_pipelined_ms"] > 0, key
         assert ours[key]["lowered_fp8_dots"] == 2 * ours[key[6:]]["lowered_fp8_dots"], key
     assert ours["graph_fwd_speedup"] > 0 and variants["bf16 (eae_jax swiglu)"]["graph_fwd_speedup"] == 1.0
-    for name in ("eae fp8 static delayed grads tensor-w", "eae fp8 static unguarded delayed grads tensor-w",
-                 "eae fp8 static delayed grads delayed-w", "eae fp8 static unguarded delayed grads delayed-w"):
-        tw = variants[name]  # per-tensor weight scales: same GEMM count, same accuracy class
+    for name in ("eae fp8 static delayed grads tensor-w", "eae fp8 static unguarded delayed grads delayed-w",
+                 "eae fp8 static unguarded delayed grads", "eae fp8 row"):
+        tw = variants[name]  # every kind: same GEMM count, same accuracy class
         assert tw["fwd"]["lowered_fp8_dots"] == 2 and tw["fb"]["lowered_fp8_dots"] == 6, name
         assert 0.99 < tw["cos_bare"] < 1.0 and tw["cos_boundary"] > 0.999, name
     (e2e,) = res["e2e"]
@@ -118,7 +122,7 @@ def test_ffn_rows_are_on_disk_before_a_run_is_killed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mod, "_flax_ops", killed)
     with pytest.raises(SystemExit):
-        mod.main(["--smoke", "--ffn", "--warmup", "0", "--iters", "1"])
+        mod.main(["--smoke", "--ffn", "--ffn-variants", "static", "--warmup", "0", "--iters", "1"])
     res = json.loads((tmp_path / "bench_fp8_smoke_ffn.json").read_text())
     names = [r["variant"] for r in res["ffn"]]
     assert names[0].startswith("bf16") and "eae fp8 static" in names and not any(n.startswith("flax") for n in names)
@@ -195,3 +199,4 @@ def test_sustained_probe_timeline_stats():
     assert kernels["gemm"][1:] == pytest.approx((8.0, 1.0, 8.0))  # per call, calls per call, mean duration
     assert st["kernels"][0][0] == "gemm"
     assert mod.timeline_stats([], calls=1)["idle_us"] == 0.0
+

@@ -30,7 +30,7 @@ def test_readme_example_runs(index, capsys, monkeypatch):
 def test_readme_has_the_two_quick_start_commands():
     text = open(README).read()
     assert "eae-jax train" in text
-    command = "python -m pytest -q -n 2 --dist loadfile"
+    command = "python -m pytest -q -n 2 --dist worksteal"
     assert f'pip install -e ".[torch,dev]" && {command}' in text
     ci = open(os.path.join(os.path.dirname(__file__), "..", ".ci", "run")).read()
     assert 'pip install -q -e ".[torch,dev]"' in ci and command in ci

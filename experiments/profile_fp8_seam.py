@@ -44,6 +44,9 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
   per-tensor weight scales.
 * ``eae-castw-unguarded``: the unguarded seam with delayed weight scales
   and its weights cast beforehand.
+* ``eae-castw-guarded``: the same with guards on, its forward as
+  `eae_jax.fp8.apply` runs it (the checks decide a cond, so their
+  statistics stay in the forward).
 * ``flax``: ``flax.linen.Fp8DirectDotGeneralOp`` SwiGLU (when flax has it).
 
 Output: one table per variant (top kernels, microseconds per iteration) and
@@ -267,6 +270,12 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     st = fp8.cast_weights(seam, fp8.bind(seam, pb, cal, residuals=resid).state, pb)
     out.append(("eae-castw-unguarded", lambda p, x_: fp8.apply_with_ledger(seam, st, p, x_)[0],
                 fb_of(lambda p, x_: fp8.apply(seam, st, p, x_)), pb))
+    # Guarded (the default seam) with cast weights, its forward as
+    # `fp8.apply` runs it: the checks decide a cond, so their statistics stay.
+    seam_g = fp8.ffn_seam(weight_scaling="delayed")
+    st_g = fp8.cast_weights(seam_g, fp8.bind(seam_g, pb, cal, residuals=resid).state, pb)
+    guarded = lambda p, x_: fp8.apply(seam_g, st_g, p, x_)  # noqa: E731
+    out.append(("eae-castw-guarded", guarded, fb_of(guarded), pb))
     try:
         import flax.linen as nn
 

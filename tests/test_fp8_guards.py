@@ -238,3 +238,16 @@ def test_value_stats_amax_is_nonfinite_for_any_nonfinite_element(bad, scale, sha
     assert not np.isfinite(float(amax))
     clean_amax, _ = value_stats(jnp.ones(shape, jnp.bfloat16), None, 448.0)
     assert float(clean_amax) == 1.0
+
+
+@pytest.mark.parametrize("shape", [(300,), (37, 96), (3, 11, 40)])
+@pytest.mark.parametrize("scale", [None, 0.005])
+def test_value_stats_match_float64_reference(shape, scale):
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(3), shape, jnp.float32) * 2.0)
+    x = jnp.asarray(x).astype(jnp.bfloat16)
+    amax, sat = value_stats(x, None if scale is None else jnp.float32(scale), 448.0)
+    mag = np.abs(np.asarray(x.astype(jnp.float32), np.float64))
+    assert float(amax) == mag.max()
+    want = 0.0 if scale is None else float(np.mean(mag > 464.0 * scale))
+    assert scale is None or 0.0 < want < 1.0  # the case exercises both sides of the limit
+    np.testing.assert_allclose(float(sat), want, rtol=1e-6)

@@ -11,7 +11,7 @@ import pytest
 
 from eae_jax import fp8
 from eae_jax.fp8 import quant
-from jaxpr_walk import all_eqns
+from jaxpr_walk import all_eqns, ancestors, reads
 
 
 def _rand(key, shape, scale=1.0, dtype=jnp.float32):
@@ -264,31 +264,12 @@ def test_delayed_gradient_quantization_does_not_wait_for_the_gradient_amax(delay
 
     jaxpr = jax.make_jaxpr(bwd)(x, w, g).jaxpr
     g_var = jaxpr.invars[2]
-    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-
-    def ancestors(var, seen):
-        eqn = producer.get(var)
-        if eqn is None or id(eqn) in seen:
-            return
-        seen[id(eqn)] = eqn
-        for v in eqn.invars:
-            if hasattr(v, "aval") and not hasattr(v, "val"):
-                ancestors(v, seen)
-
-    def depends_on_g(var):
-        if var is g_var:
-            return True
-        seen = {}
-        ancestors(var, seen)
-        return any(v is g_var for e in seen.values() for v in e.invars)
-
     e5m2 = [v for e in jaxpr.eqns for v in e.outvars if v.aval.dtype == jnp.float8_e5m2]
     assert e5m2, "no e5m2 gradient in the backward"
     for v in e5m2:
-        seen = {}
-        ancestors(v, seen)
-        waits = [e for e in seen.values() if e.primitive.name == "reduce_max" and depends_on_g(e.invars[0])]
-        assert bool(waits) == (not delayed), [e.primitive.name for e in seen.values()]
+        seen = ancestors(jaxpr, v)
+        waits = [e for e in seen if e.primitive.name == "reduce_max" and reads(jaxpr, e, g_var)]
+        assert bool(waits) == (not delayed), [e.primitive.name for e in seen]
 
 
 @pytest.mark.parametrize("fast_accum,n_highest", [((True, True), 0), ((True, False), 2), ((False, False), 3)])

@@ -16,6 +16,7 @@ import eae_jax
 from eae_jax import fp8
 from eae_jax.blocks import BlockConfig, init_stack, init_swiglu, rms_norm
 from eae_jax.fp8 import quant
+from jaxpr_walk import ancestors, reads
 
 E4M3_MAX = 448.0
 
@@ -83,34 +84,11 @@ def test_delayed_weight_quantization_does_not_wait_for_a_weight_reduction():
         jaxpr = jax.make_jaxpr(lambda w_: jax.vjp(
             lambda v: fp8.fp8_linear(x, v, jnp.float32(0.01), weight_scaling=weight_scaling, **kw), w_)[0])(w).jaxpr
         w_var = jaxpr.invars[0]
-        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-
-        def ancestors(var, seen):
-            eqn = producer.get(var)
-            if eqn is None or id(eqn) in seen:
-                return
-            seen[id(eqn)] = eqn
-            for v in eqn.invars:
-                if hasattr(v, "aval") and not hasattr(v, "val"):
-                    ancestors(v, seen)
-
-        def reads_w(eqn):
-            seen = {}
-            for v in eqn.invars:
-                if v is w_var:
-                    return True
-                if hasattr(v, "aval") and not hasattr(v, "val"):
-                    ancestors(v, seen)
-            return any(u is w_var for e in seen.values() for u in e.invars)
-
         # the e4m3 weight: the fp8 array shaped like w
         wq = [v for e in jaxpr.eqns for v in e.outvars
               if v.aval.dtype == jnp.float8_e4m3fn and v.aval.shape == w.shape]
         assert wq, "no e4m3 weight in the forward"
-        seen = {}
-        for v in wq:
-            ancestors(v, seen)
-        return any(e.primitive.name == "reduce_max" and reads_w(e) for e in seen.values())
+        return any(e.primitive.name == "reduce_max" and reads(jaxpr, e, w_var) for e in ancestors(jaxpr, *wq))
 
     assert waits_for_weight_amax("tensor")
     assert not waits_for_weight_amax("delayed", weight_scale=jnp.float32(1e-3))

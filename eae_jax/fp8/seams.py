@@ -967,20 +967,16 @@ def state_report(state: SeamState, name: str) -> List[Dict[str, Any]]:
     and ``grad_clipped`` per GEMM (when the state has them), and
     ``weight_scales`` / ``weight_clipped`` (delayed weight scaling)."""
     out = ledger_lib.report(state.ledger, name)
-    if state.grad_scales is not None:
-        gs = np.asarray(state.grad_scales)
-        clipped = np.zeros_like(gs) if state.grad_clipped is None else np.asarray(state.grad_clipped)
-        lead = gs.shape[:-1]
+    for kind in ("grad", "weight"):
+        scales, clipped = getattr(state, kind + "_scales"), getattr(state, kind + "_clipped")
+        if scales is None:
+            continue
+        scales = np.asarray(scales)
+        clipped = np.zeros_like(scales) if clipped is None else np.asarray(clipped)
+        lead = scales.shape[:-1]
         for entry, index in zip(out, np.ndindex(*lead) if lead else [()]):
-            entry["grad_scales"] = [float(v) for v in gs[index]]
-            entry["grad_clipped"] = [int(v) for v in clipped[index]]
-    if state.weight_scales is not None:
-        ws = np.asarray(state.weight_scales)
-        wc = np.zeros_like(ws) if state.weight_clipped is None else np.asarray(state.weight_clipped)
-        lead = ws.shape[:-1]
-        for entry, index in zip(out, np.ndindex(*lead) if lead else [()]):
-            entry["weight_scales"] = [float(v) for v in ws[index]]
-            entry["weight_clipped"] = [int(v) for v in wc[index]]
+            entry[kind + "_scales"] = [float(v) for v in scales[index]]
+            entry[kind + "_clipped"] = [int(v) for v in clipped[index]]
     return out
 
 

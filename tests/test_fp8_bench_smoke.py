@@ -44,9 +44,9 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
     assert ours["graph_fwd_speedup"] > 0 and variants["bf16 (eae_jax swiglu)"]["graph_fwd_speedup"] == 1.0
     for name in ("eae fp8 static delayed grads tensor-w", "eae fp8 static unguarded delayed grads delayed-w",
                  "eae fp8 static unguarded delayed grads", "eae fp8 row"):
-        tw = variants[name]  # every kind: same GEMM count, same accuracy class
-        assert tw["fwd"]["lowered_fp8_dots"] == 2 and tw["fb"]["lowered_fp8_dots"] == 6, name
-        assert 0.99 < tw["cos_bare"] < 1.0 and tw["cos_boundary"] > 0.999, name
+        kind = variants[name]  # every kind: same GEMM count, same accuracy class
+        assert kind["fwd"]["lowered_fp8_dots"] == 2 and kind["fb"]["lowered_fp8_dots"] == 6, name
+        assert 0.99 < kind["cos_bare"] < 1.0 and kind["cos_boundary"] > 0.999, name
     (e2e,) = res["e2e"]
     assert "error" not in e2e, e2e
     assert e2e["gate_worst_cos"] >= 0.999 and set(e2e["variants"]) == {"seam", "block", "off"}
@@ -199,4 +199,3 @@ def test_sustained_probe_timeline_stats():
     assert kernels["gemm"][1:] == pytest.approx((8.0, 1.0, 8.0))  # per call, calls per call, mean duration
     assert st["kernels"][0][0] == "gemm"
     assert mod.timeline_stats([], calls=1)["idle_us"] == 0.0
-

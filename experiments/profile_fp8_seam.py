@@ -44,6 +44,9 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
   per-tensor weight scales.
 * ``eae-castw-unguarded``: the unguarded seam with delayed weight scales
   and its weights cast beforehand.
+* ``eae-castw-unguarded-wholedw``: trial, the same with the backward's
+  earlier form: one wgrad GEMM over gate|up, then two slices copying the
+  result into the blocks' gradients.
 * ``eae-castw-guarded``: the same with guards on, its forward as
   `eae_jax.fp8.apply` runs it (the checks decide a cond, so their
   statistics stay in the forward).
@@ -152,6 +155,34 @@ def print_profile(rec: Dict[str, Any], top: int) -> None:
     for n, us, c in rec["kernels"][:top]:
         print(f"{us:9.1f} {c:6.1f}  {n[:110]}")
     sys.stdout.flush()
+
+
+def whole_dw_backward(fn: Callable) -> Callable:
+    """Trial: ``fn`` traced with the cast-weight backward's earlier form, one
+    wgrad GEMM over the concatenated gate|up blocks whose ``(2F, K)`` result
+    two slices then copy into the blocks' gradients (the library now runs one
+    GEMM per block). Swaps `quant._linear_live_bwd`, which the cast-weight
+    rule calls by name, while ``fn`` is traced only."""
+    import numpy as np
+
+    from eae_jax.fp8 import quant
+
+    def whole(fast, res, g):
+        xq, xs, ws, gs, xd, wq, (wsc, wmax) = res
+        dx, (dw,), gmax = quant._linear_bwd_math(g, xq, xs, (jnp.concatenate(ws, axis=0),), xd.dtype, ws[0].dtype,
+                                                 fast[1], quant._grad_scale_arg(gs, fast[2]), w_tensor=wq)
+        dws = tuple(jnp.split(dw, np.cumsum([w.shape[0] for w in ws])[:-1].tolist(), axis=0))
+        w_obs = jnp.zeros_like(wsc) if wmax is None else quant._observed(wsc, wmax)
+        return dx, dws, jnp.zeros_like(xs), quant._observed(gs, gmax), w_obs
+
+    def traced(*args):
+        library = quant._linear_live_bwd
+        quant._linear_live_bwd = whole
+        try:
+            return fn(*args)
+        finally:
+            quant._linear_live_bwd = library
+    return traced
 
 
 def variants(m: int, d: int, f: int) -> List[tuple]:
@@ -270,6 +301,8 @@ def variants(m: int, d: int, f: int) -> List[tuple]:
     st = fp8.cast_weights(seam, fp8.bind(seam, pb, cal, residuals=resid).state, pb)
     out.append(("eae-castw-unguarded", lambda p, x_: fp8.apply_with_ledger(seam, st, p, x_)[0],
                 fb_of(lambda p, x_: fp8.apply(seam, st, p, x_)), pb))
+    out.append(("eae-castw-unguarded-wholedw", lambda p, x_: fp8.apply_with_ledger(seam, st, p, x_)[0],
+                whole_dw_backward(fb_of(lambda p, x_: fp8.apply(seam, st, p, x_))), pb))
     # Guarded (the default seam) with cast weights, its forward as
     # `fp8.apply` runs it: the checks decide a cond, so their statistics stay.
     seam_g = fp8.ffn_seam(weight_scaling="delayed")

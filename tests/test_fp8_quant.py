@@ -363,6 +363,34 @@ def test_per_tensor_gemm_output_is_scaled_in_bf16(weight_scaling, bf16_scaled):
         assert users[0].primitive.name == "convert_element_type", users[0]
 
 
+@pytest.mark.parametrize("weight_dtype,bf16_scaled", [(jnp.bfloat16, True), (jnp.float32, False)])
+@pytest.mark.parametrize("weight_scaling", ["channel", "delayed"])
+def test_wgrad_output_is_scaled_in_bf16(weight_scaling, weight_dtype, bf16_scaled):
+    """With a per-tensor activation scale each wgrad GEMM's bf16 output is
+    multiplied by a bf16 scalar (the gradient scale nudged so that its
+    product with the activation scale is exact), the form XLA folds into the
+    GEMM; float32 weights keep the float32 multiply. One GEMM per block."""
+    x = _rand(0, (16, 32), 1.0, jnp.bfloat16)
+    blocks = (_rand(1, (24, 32), 0.1, weight_dtype), _rand(2, (8, 32), 0.1, weight_dtype))
+    kw = {"weight_scale": jnp.float32(0.1 / 448)} if weight_scaling == "delayed" else {}
+
+    def loss(ws):
+        y = fp8.fp8_linear(x, ws, jnp.float32(0.01), grad_scale=jnp.float32(1e-4), delayed_grad=True,
+                           weight_scaling=weight_scaling, **kw)
+        return jnp.sum(y.astype(jnp.float32))
+    grads = jax.grad(loss)(blocks)
+    assert [g.shape for g in grads] == [(24, 32), (8, 32)]
+    eqns = list(all_eqns(jax.make_jaxpr(jax.grad(loss))(blocks).jaxpr))
+    wgrads = [e for e in eqns if e.primitive.name == "dot_general" and e.outvars[0].aval.shape in ((24, 32), (8, 32))]
+    assert len(wgrads) == 2, [e.outvars[0].aval for e in wgrads]
+    for e in wgrads:
+        users = [u for u in eqns if any(v is e.outvars[0] for v in u.invars)]
+        assert len(users) == 1
+        # float32 weights: a float32 GEMM output, multiplied in float32
+        assert users[0].primitive.name == "mul", users[0]
+        assert users[0].outvars[0].aval.dtype == (jnp.bfloat16 if bf16_scaled else jnp.float32), users[0]
+
+
 @pytest.mark.parametrize("weight_scaling", ["channel", "tensor", "delayed"])
 def test_graph_multiplies_fp8_operands_forward_and_backward(weight_scaling):
     """The seam's jaxpr/StableHLO has dot_generals whose operands ARE fp8 (not

@@ -403,6 +403,13 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None, w_tenso
     # channel (factors out of the N-contraction), wgrad multiplies the scalar
     # x scale into the result.
     gs = scale_from_amax(gmax, E5M2) if g_scale is None else g_scale
+    if per_tensor_x:
+        # The wgrad output scale gs * xs made bf16-exact by nudging gs up (at
+        # most 2**-8: a hair more headroom), as `output_scale` does for the
+        # forward: XLA then folds the multiply into the wgrad GEMMs instead
+        # of a pass over every weight gradient (the dgrad's gs * w_scale
+        # cannot be exact at the same time; that multiply stays a pass).
+        c_w, gs = output_scale(gs, xs, gemm_out_dtype(w_dtype))
     gq = quantize(g32, gs, E5M2)
     if w_tensor is None:
         wt = _dgrad_weight(w)
@@ -414,7 +421,7 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None, w_tenso
         dx = fp8_matmul(gq, w_tensor.q.T, gemm_out_dtype(x_dtype), precise=not fast)
         dx = (dx.astype(jnp.float32) * (gs * w_tensor.scale)).astype(x_dtype)
     if per_tensor_x:
-        gq_w, gs_w = gq, gs * xs
+        gq_w, gs_w = gq, c_w
     else:
         # dw[n,k] = sum_m g[m,n] xs[m] xq[m,k]: a per-row x scale sits on the
         # contraction axis and is folded into g (e5m2 has the range for it).
@@ -429,7 +436,10 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None, w_tenso
         rows = block.shape[0]
         g_block = gq_w if len(w) == 1 else gq_w[:, start:start + rows]
         dw = fp8_matmul(g_block.T, xq_t, gemm_out_dtype(w_dtype), precise=not fast)
-        dws.append((dw.astype(jnp.float32) * gs_w).astype(w_dtype))
+        if gs_w.ndim == 0 and dw.dtype == jnp.dtype(w_dtype) == jnp.dtype(jnp.bfloat16):
+            dws.append(dw * gs_w.astype(dw.dtype))  # exact scalar: folds into the GEMM
+        else:
+            dws.append((dw.astype(jnp.float32) * gs_w).astype(w_dtype))
         start += rows
     return dx, tuple(dws), gmax
 

@@ -406,9 +406,9 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None, w_tenso
     if per_tensor_x:
         # The wgrad output scale gs * xs made bf16-exact by nudging gs up (at
         # most 2**-8: a hair more headroom), as `output_scale` does for the
-        # forward: XLA then folds the multiply into the wgrad GEMMs instead
-        # of a pass over every weight gradient (the dgrad's gs * w_scale
-        # cannot be exact at the same time; that multiply stays a pass).
+        # forward, where XLA folds that multiply into the fp8 GEMM instead of
+        # a pass over its output (measured there; in the backward not yet).
+        # The dgrad's gs * w_scale cannot be exact at the same time.
         c_w, gs = output_scale(gs, xs, gemm_out_dtype(w_dtype))
     gq = quantize(g32, gs, E5M2)
     if w_tensor is None:
@@ -430,14 +430,15 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None, w_tenso
     # gradient: the gradients land in the blocks' own buffers. One GEMM over
     # every block wrote a (N, K) result that two slices then copied out (a
     # read and a write of every weight gradient: 2 x 55 us at the 7B-like
-    # gate|up on the H200, `profile_fp8_seam.py`).
+    # gate|up on the H200, `profile_fp8_seam.py`; at the 1B-like shape XLA's
+    # second transpose of the shared x eats the 2 x 15 us gain).
     xq_t, dws, start = xq.T, [], 0
     for block in w:
         rows = block.shape[0]
         g_block = gq_w if len(w) == 1 else gq_w[:, start:start + rows]
         dw = fp8_matmul(g_block.T, xq_t, gemm_out_dtype(w_dtype), precise=not fast)
         if gs_w.ndim == 0 and dw.dtype == jnp.dtype(w_dtype) == jnp.dtype(jnp.bfloat16):
-            dws.append(dw * gs_w.astype(dw.dtype))  # exact scalar: folds into the GEMM
+            dws.append(dw * gs_w.astype(dw.dtype))  # exact bf16 scalar: the foldable form
         else:
             dws.append((dw.astype(jnp.float32) * gs_w).astype(w_dtype))
         start += rows

@@ -363,19 +363,25 @@ def test_per_tensor_gemm_output_is_scaled_in_bf16(weight_scaling, bf16_scaled):
         assert users[0].primitive.name == "convert_element_type", users[0]
 
 
-@pytest.mark.parametrize("weight_dtype,bf16_scaled", [(jnp.bfloat16, True), (jnp.float32, False)])
+@pytest.mark.parametrize("weight_dtype,per_row,user", [
+    (jnp.bfloat16, False, ("mul", jnp.bfloat16)),
+    (jnp.float32, False, ("mul", jnp.float32)),  # a float32 GEMM output, multiplied in float32
+    (jnp.bfloat16, True, ("convert_element_type", jnp.float32)),  # the folded per-row scale is not bf16-exact
+])
 @pytest.mark.parametrize("weight_scaling", ["channel", "delayed"])
-def test_wgrad_output_is_scaled_in_bf16(weight_scaling, weight_dtype, bf16_scaled):
+def test_wgrad_output_is_scaled_in_bf16(weight_scaling, weight_dtype, per_row, user):
     """With a per-tensor activation scale each wgrad GEMM's bf16 output is
     multiplied by a bf16 scalar (the gradient scale nudged so that its
     product with the activation scale is exact), the form XLA folds into the
-    GEMM; float32 weights keep the float32 multiply. One GEMM per block."""
+    GEMM; float32 weights, and per-row activation scales, keep the float32
+    multiply. One GEMM per block."""
     x = _rand(0, (16, 32), 1.0, jnp.bfloat16)
+    x_scale = jnp.linspace(0.005, 0.02, 16, dtype=jnp.float32)[:, None] if per_row else jnp.float32(0.01)
     blocks = (_rand(1, (24, 32), 0.1, weight_dtype), _rand(2, (8, 32), 0.1, weight_dtype))
     kw = {"weight_scale": jnp.float32(0.1 / 448)} if weight_scaling == "delayed" else {}
 
     def loss(ws):
-        y = fp8.fp8_linear(x, ws, jnp.float32(0.01), grad_scale=jnp.float32(1e-4), delayed_grad=True,
+        y = fp8.fp8_linear(x, ws, x_scale, grad_scale=jnp.float32(1e-4), delayed_grad=True,
                            weight_scaling=weight_scaling, **kw)
         return jnp.sum(y.astype(jnp.float32))
     grads = jax.grad(loss)(blocks)
@@ -386,9 +392,7 @@ def test_wgrad_output_is_scaled_in_bf16(weight_scaling, weight_dtype, bf16_scale
     for e in wgrads:
         users = [u for u in eqns if any(v is e.outvars[0] for v in u.invars)]
         assert len(users) == 1
-        # float32 weights: a float32 GEMM output, multiplied in float32
-        assert users[0].primitive.name == "mul", users[0]
-        assert users[0].outvars[0].aval.dtype == (jnp.bfloat16 if bf16_scaled else jnp.float32), users[0]
+        assert (users[0].primitive.name, users[0].outvars[0].aval.dtype) == user, users[0]
 
 
 @pytest.mark.parametrize("weight_scaling", ["channel", "tensor", "delayed"])

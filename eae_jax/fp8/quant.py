@@ -262,17 +262,23 @@ def output_scale(x_scale: jax.Array, w_scale: jax.Array, out_dtype: Any):
     return c, jnp.where(c == xs * ws, xs, c / ws)
 
 
+def _scale_output(acc: jax.Array, c: jax.Array, out_dtype: Any, exact: bool) -> jax.Array:
+    """``acc * c`` in ``out_dtype`` for an fp8 GEMM output ``acc``. When
+    ``exact`` says ``c`` came from `output_scale` (a bf16-exact scalar for a
+    bf16 output) and ``acc`` already has ``out_dtype``, the multiply is done
+    in that dtype, the form XLA folds into the GEMM; otherwise in float32."""
+    if exact and c.ndim == 0 and acc.dtype == jnp.dtype(out_dtype):
+        return acc * c.astype(acc.dtype)
+    return (acc.astype(jnp.float32) * c).astype(out_dtype)
+
+
 def _linear_fwd_math(x, xs, wq, ws, out_dtype, fast):
     """Forward of an fp8 linear: ``(y, xq, xs)`` with the activation scale
     actually used (see `output_scale`)."""
     c, xs = output_scale(xs, ws, out_dtype)
     xq = quantize(x, xs, E4M3)
     acc = fp8_matmul(xq, wq, gemm_out_dtype(out_dtype), precise=not fast)
-    if c.ndim == 0 and acc.dtype == jnp.dtype(out_dtype):
-        # The bf16 multiply by an exactly representable scalar folds into the
-        # GEMM (see `output_scale`).
-        return acc * c.astype(acc.dtype), xq, xs
-    return (acc.astype(jnp.float32) * c).astype(out_dtype), xq, xs
+    return _scale_output(acc, c, out_dtype, exact=True), xq, xs
 
 
 def quantize_weight_tensor(ws: Tuple[jax.Array, ...]) -> Fp8Weight:
@@ -437,10 +443,9 @@ def _linear_bwd_math(g, xq, xs, w, x_dtype, w_dtype, fast, g_scale=None, w_tenso
         rows = block.shape[0]
         g_block = gq_w if len(w) == 1 else gq_w[:, start:start + rows]
         dw = fp8_matmul(g_block.T, xq_t, gemm_out_dtype(w_dtype), precise=not fast)
-        if gs_w.ndim == 0 and dw.dtype == jnp.dtype(w_dtype) == jnp.dtype(jnp.bfloat16):
-            dws.append(dw * gs_w.astype(dw.dtype))  # exact bf16 scalar: the foldable form
-        else:
-            dws.append((dw.astype(jnp.float32) * gs_w).astype(w_dtype))
+        # Only the per-tensor scale is bf16-exact; a per-row x's folded scale
+        # is a scalar too, but not exact.
+        dws.append(_scale_output(dw, gs_w, w_dtype, exact=per_tensor_x))
         start += rows
     return dx, tuple(dws), gmax
 

@@ -189,6 +189,9 @@ def variants(m: int, d: int, f: int, only: frozenset = frozenset()) -> List[tupl
     """The FFN variants at tokens ``m``, dim ``d``, ffn ``f``; the seams are
     bound only for the names in ``only`` (all when empty): binding is the
     slow part at the 7B-like shape."""
+    def want(name):
+        return not only or name in only
+
     keys = jax.random.split(jax.random.key(0), 6)
     pb = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), init_swiglu(keys[0], d, f))
     ones = {"scale": jnp.ones((d,), jnp.float32)}
@@ -293,32 +296,32 @@ def variants(m: int, d: int, f: int, only: frozenset = frozenset()) -> List[tupl
     for label, guarded, wscale in (("eae", True, "channel"), ("eae-unguarded", False, "channel"),
                                    ("eae-tensorw", True, "tensor"), ("eae-tensorw-unguarded", False, "tensor"),
                                    ("eae-delayedw", True, "delayed"), ("eae-delayedw-unguarded", False, "delayed")):
-        if only and label not in only:
+        if not want(label):
             continue
         seam = fp8.ffn_seam(check_values=guarded, weight_scaling=wscale)
         bound = fp8.bind(seam, pb, cal, residuals=resid)
         st = bound.state
-        fwd = (lambda s: lambda p, x_: fp8.apply_with_ledger(seam, s, p, x_)[0])(st)
-        app = (lambda s: lambda p, x_: fp8.apply(seam, s, p, x_))(st)
+        # seam and state bound now: the names are rebound by the next
+        # iteration and by the cast-weight variants below
+        fwd = (lambda sm, s: lambda p, x_: fp8.apply_with_ledger(sm, s, p, x_)[0])(seam, st)
+        app = (lambda sm, s: lambda p, x_: fp8.apply(sm, s, p, x_))(seam, st)
         out.append((label, fwd, fb_of(app), pb))
-    out = [o for o in out if not only or o[0] in only]
-    if only and not only & {"eae-castw-unguarded", "eae-castw-unguarded-wholedw", "eae-castw-guarded", "flax"}:
-        return [(name, fwd, fb, p, x, ct) for name, fwd, fb, p in out]
     # The unguarded seam given weights cast beforehand (delayed scales).
-    seam = fp8.ffn_seam(check_values=False, weight_scaling="delayed")
-    st = fp8.cast_weights(seam, fp8.bind(seam, pb, cal, residuals=resid).state, pb)
-    out.append(("eae-castw-unguarded", lambda p, x_: fp8.apply_with_ledger(seam, st, p, x_)[0],
-                fb_of(lambda p, x_: fp8.apply(seam, st, p, x_)), pb))
-    out.append(("eae-castw-unguarded-wholedw", lambda p, x_: fp8.apply_with_ledger(seam, st, p, x_)[0],
-                whole_dw_backward(fb_of(lambda p, x_: fp8.apply(seam, st, p, x_))), pb))
+    if want("eae-castw-unguarded") or want("eae-castw-unguarded-wholedw"):
+        seam = fp8.ffn_seam(check_values=False, weight_scaling="delayed")
+        st = fp8.cast_weights(seam, fp8.bind(seam, pb, cal, residuals=resid).state, pb)
+        out.append(("eae-castw-unguarded", lambda p, x_: fp8.apply_with_ledger(seam, st, p, x_)[0],
+                    fb_of(lambda p, x_: fp8.apply(seam, st, p, x_)), pb))
+        out.append(("eae-castw-unguarded-wholedw", lambda p, x_: fp8.apply_with_ledger(seam, st, p, x_)[0],
+                    whole_dw_backward(fb_of(lambda p, x_: fp8.apply(seam, st, p, x_))), pb))
     # Guarded (the default seam) with cast weights, its forward as
     # `fp8.apply` runs it: the checks decide a cond, so their statistics stay.
-    if not only or "eae-castw-guarded" in only:
+    if want("eae-castw-guarded"):
         seam_g = fp8.ffn_seam(weight_scaling="delayed")
         st_g = fp8.cast_weights(seam_g, fp8.bind(seam_g, pb, cal, residuals=resid).state, pb)
         guarded = lambda p, x_: fp8.apply(seam_g, st_g, p, x_)  # noqa: E731
         out.append(("eae-castw-guarded", guarded, fb_of(guarded), pb))
-    if only and "flax" not in only:
+    if not want("flax"):
         return [(name, fwd, fb, p, x, ct) for name, fwd, fb, p in out]
     try:
         import flax.linen as nn

@@ -9,8 +9,9 @@ an underscore; methods are covered by their class's example.
 Examples run with doctest (``ELLIPSIS`` and ``NORMALIZE_WHITESPACE`` on), in
 a copy of the module's globals. Torch: ``interop`` is the torch extra, so
 every module under ``interop`` is skipped as a whole when torch or
-eae_runtime is missing, and its examples may use them freely; modules
-outside ``interop`` must not need torch (``+SKIP`` is not used).
+eae_runtime is missing, and its examples may use them freely (and
+transformers, from the dev extra the suite runs with); modules outside
+``interop`` must not need torch. No example uses ``+SKIP``.
 """
 
 import doctest
@@ -27,6 +28,16 @@ MODULES = (
     "eae_jax.blocks.rope",
     "eae_jax.blocks.swiglu",
     "eae_jax.blocks.transformer",
+    "interop.auto",
+    "interop.generate",
+    "interop.hf_llama",
+    "interop.imported",
+    "interop.layout",
+    "interop.llama2c",
+    "interop.reference",
+    "interop.safe_load",
+    "interop.tensors",
+    "interop.torch_blocks",
 )
 #: Top-level packages whose modules need the torch extra.
 TORCH_PACKAGES = ("interop",)

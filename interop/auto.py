@@ -32,6 +32,16 @@ def load_checkpoint(path: str, *, dtype: Any = None, config: Any = None) -> Unio
       UnknownFormatError: none of the above; the message says what was found.
       And the format loaders' errors (CheckpointMismatchError,
       UnsafeCheckpointError, CorruptCheckpointError, UnsupportedConfigError).
+
+    Example:
+      >>> import os, tempfile, torch
+      >>> from eae_runtime.contrib import PreNormTransformerBlock
+      >>> from interop import load_checkpoint
+      >>> path = os.path.join(tempfile.mkdtemp(), "blocks.pt")
+      >>> torch.save(torch.nn.ModuleList(PreNormTransformerBlock(16, 2, max_seq_len=8) for _ in range(2)), path)
+      >>> imported = load_checkpoint(path)
+      >>> type(imported).__name__, imported.depth, imported.meta["source"] == path
+      ('ImportedBlocks', 2, True)
     """
     fmt = detect_format(path)
     if fmt == "hf_dir" or fmt == "safetensors":

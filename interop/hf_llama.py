@@ -77,6 +77,20 @@ def lm_config_from_hf(config: Any, compute_dtype: Any = None) -> LMConfig:
     Raises:
       UnsupportedConfigError: not a LLaMA config, or a feature the JAX blocks
         lack (the message lists every one found).
+
+    Example:
+      >>> from interop import lm_config_from_hf
+      >>> hf = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+      ...       "num_hidden_layers": 2, "vocab_size": 100, "rope_theta": 500000.0}
+      >>> cfg = lm_config_from_hf(hf)
+      >>> cfg.block.rope_style, cfg.block.rope_theta, cfg.block.num_kv_heads, cfg.tie_embeddings
+      ('half', 500000.0, 2, False)
+      >>> lm_config_from_hf({**hf, "attention_bias": True, "hidden_act": "gelu"})
+      Traceback (most recent call last):
+      ...
+      interop.errors.UnsupportedConfigError: unsupported Hugging Face LLaMA config:
+        hidden_act 'gelu' (only silu / SwiGLU)
+        attention_bias=True (eae_jax blocks have no biases)
     """
     if not isinstance(config, Mapping):
         if hasattr(config, "to_dict"):
@@ -131,6 +145,15 @@ def hf_config_from_lm(cfg: LMConfig, base: Optional[Mapping[str, Any]] = None, d
 
     Raises:
       UnsupportedConfigError: ``cfg`` uses interleaved RoPE (HF LLaMA rotates halves).
+
+    Example:
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig
+      >>> from interop import hf_config_from_lm
+      >>> cfg = LMConfig(vocab_size=32, depth=1, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16, rope_style="half"))
+      >>> config = hf_config_from_lm(cfg)
+      >>> config["model_type"], config["hidden_size"], config["intermediate_size"], config["tie_word_embeddings"]
+      ('llama', 8, 16, False)
     """
     b = cfg.block
     if b.rope_style != "half":
@@ -164,6 +187,18 @@ def import_hf_state_dict(state_dict: Mapping[str, Any], config: Any, *, dtype: A
     Raises:
       UnsupportedConfigError: see `lm_config_from_hf`.
       CheckpointMismatchError: every missing / unexpected / mis-shaped tensor.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop import hf_state_dict, import_hf_state_dict, lm_config_from_hf
+      >>> config = {"hidden_size": 8, "num_attention_heads": 2, "intermediate_size": 16, "num_hidden_layers": 1,
+      ...        "vocab_size": 32, "rms_norm_eps": 1e-5, "max_position_embeddings": 16}
+      >>> cfg = lm_config_from_hf(config)
+      >>> state_dict = hf_state_dict(init_lm(jax.random.key(0), cfg), cfg)
+      >>> imported = import_hf_state_dict(state_dict, config)
+      >>> sorted(imported.params), imported.config == cfg
+      (['blocks', 'embed', 'final_norm', 'lm_head'], True)
     """
     if not isinstance(config, Mapping) and hasattr(config, "to_dict"):
         config = config.to_dict()
@@ -176,7 +211,19 @@ def import_hf_state_dict(state_dict: Mapping[str, Any], config: Any, *, dtype: A
 
 
 def import_hf_model(model: Any, *, dtype: Any = None) -> ImportedModel:
-    """Import a live ``transformers`` LlamaForCausalLM (its state_dict and config)."""
+    """Import a live ``transformers`` LlamaForCausalLM (its state_dict and config).
+
+    Example:
+      >>> import torch
+      >>> from transformers import LlamaConfig, LlamaForCausalLM
+      >>> from interop import import_hf_model
+      >>> _ = torch.manual_seed(0)
+      >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=8, num_attention_heads=2, intermediate_size=16,
+      ...                                      num_hidden_layers=1, vocab_size=32, max_position_embeddings=16))
+      >>> imported = import_hf_model(model)
+      >>> imported.config.depth, imported.config.block.rope_style, imported.params["blocks"]["attn"]["wq"].shape
+      (1, 'half', (1, 8, 8))
+    """
     return import_hf_state_dict(model.state_dict(), model.config.to_dict(), dtype=dtype,
                                 where=f"{type(model).__name__} state dict")
 
@@ -227,6 +274,18 @@ def load_hf(path: str, *, dtype: Any = None) -> ImportedModel:
     Raises:
       FileNotFoundError, UnknownFormatError, CorruptCheckpointError,
       UnsafeCheckpointError, UnsupportedConfigError, CheckpointMismatchError.
+
+    Example:
+      >>> import os, tempfile, jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop import lm_config_from_hf, load_hf, save_hf
+      >>> cfg = lm_config_from_hf({"hidden_size": 8, "num_attention_heads": 2, "intermediate_size": 16, "num_hidden_layers": 1,
+      ...                         "vocab_size": 32, "rms_norm_eps": 1e-5, "max_position_embeddings": 16})
+      >>> folder = tempfile.mkdtemp()
+      >>> save_hf(folder, init_lm(jax.random.key(0), cfg), cfg)
+      >>> imported = load_hf(folder)
+      >>> imported.meta["format"], imported.config == cfg
+      ('hf_llama', True)
     """
     if os.path.isdir(path):
         directory = path
@@ -254,6 +313,17 @@ def hf_state_dict(params: Mapping[str, Any], cfg: LMConfig, *, tied_head: bool =
     Args:
       tied_head: for a tied model also emit ``lm_head.weight`` (as
         ``model.state_dict()`` does); ``save_pretrained`` files omit it.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm
+      >>> from interop import hf_state_dict
+      >>> block = BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16, rope_style="half")
+      >>> cfg = LMConfig(vocab_size=32, depth=1, block=block, tie_embeddings=True)
+      >>> params = init_lm(jax.random.key(0), cfg)
+      >>> "lm_head.weight" in hf_state_dict(params, cfg), "lm_head.weight" in hf_state_dict(params, cfg, tied_head=True)
+      (False, True)
     """
     flat = lm_tensors_from_params(params, cfg, HF_LM, tied_head=False)
     out = {k: numpy_to_torch(v) for k, v in flat.items()}
@@ -276,6 +346,22 @@ def save_hf(directory: str, params: Mapping[str, Any], cfg: LMConfig, *, weights
       UnsupportedConfigError: interleaved-RoPE model.
       InteropError: ``weights='bin'`` into a directory holding a
         model.safetensors or a shard index, which loaders would read instead.
+
+    Example:
+      >>> import os, tempfile, jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop import lm_config_from_hf, save_hf
+      >>> cfg = lm_config_from_hf({"hidden_size": 8, "num_attention_heads": 2, "intermediate_size": 16, "num_hidden_layers": 1,
+      ...                         "vocab_size": 32, "rms_norm_eps": 1e-5, "max_position_embeddings": 16})
+      >>> folder = tempfile.mkdtemp()
+      >>> save_hf(folder, init_lm(jax.random.key(0), cfg), cfg)
+      >>> sorted(os.listdir(folder))
+      ['config.json', 'model.safetensors']
+      >>> save_hf(folder, init_lm(jax.random.key(0), cfg), cfg, weights="bin")
+      Traceback (most recent call last):
+      ...
+      interop.errors.InteropError: ... already holds ['model.safetensors'], which loaders read before
+      pytorch_model.bin: the exported weights would be shadowed. ...
     """
     if weights not in ("safetensors", "bin"):
         raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
@@ -309,6 +395,19 @@ def to_transformers(params: Mapping[str, Any], cfg: LMConfig, base_config: Optio
     """Build a ``transformers.LlamaForCausalLM`` holding these params (needs transformers).
 
     Parameters are assigned, so they keep their dtype and bits.
+
+    Example:
+      >>> import jax, numpy as np, torch
+      >>> from eae_jax.models import init_lm, lm_apply
+      >>> from interop import lm_config_from_hf, to_transformers
+      >>> cfg = lm_config_from_hf({"hidden_size": 8, "num_attention_heads": 2, "intermediate_size": 16, "num_hidden_layers": 1,
+      ...                         "vocab_size": 32, "rms_norm_eps": 1e-5, "max_position_embeddings": 16})
+      >>> params = init_lm(jax.random.key(0), cfg)
+      >>> tokens = np.array([[1, 5, 7]])
+      >>> with torch.no_grad():
+      ...     hf_logits = to_transformers(params, cfg)(torch.from_numpy(tokens)).logits.numpy()
+      >>> bool(np.allclose(hf_logits, lm_apply(params, tokens, cfg), atol=1e-5))
+      True
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -14,6 +14,14 @@ class ImportedBlocks(NamedTuple):
       config: the `eae_jax.blocks.BlockConfig` read from the source.
       depth: number of blocks.
       meta: provenance (``format``, ``source``, dtypes seen ...).
+
+    Example:
+      >>> import torch
+      >>> from eae_runtime.contrib import PreNormTransformerBlock
+      >>> from interop import import_seed_blocks
+      >>> imported = import_seed_blocks(torch.nn.ModuleList([PreNormTransformerBlock(16, 2, max_seq_len=8)]))
+      >>> imported.depth, imported.config.dim, imported.params["attn"]["wq"].shape, imported.meta["format"]
+      (1, 16, (1, 16, 16), 'eae_runtime_blocks')
     """
 
     params: dict
@@ -32,6 +40,18 @@ class ImportedModel(NamedTuple):
       meta: provenance and what an exporter needs to write the source back
         bit for bit (the original config dict, llama2.c's stored RoPE
         tables ...).
+
+    Example:
+      >>> import os, tempfile, jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop import load_llama2c, save_llama2c_bin
+      >>> from interop.llama2c import lm_config_from_model_args
+      >>> cfg = lm_config_from_model_args({"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 32, "hidden_dim": 16})
+      >>> path = os.path.join(tempfile.mkdtemp(), "tiny.bin")
+      >>> save_llama2c_bin(path, init_lm(jax.random.key(0), cfg), cfg)
+      >>> model = load_llama2c(path)
+      >>> sorted(model.params), model.config.vocab_size, model.meta["format"]
+      (['blocks', 'embed', 'final_norm'], 32, 'llama2c_bin_v0')
     """
 
     params: dict

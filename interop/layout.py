@@ -31,6 +31,11 @@ class BlockLayout(NamedTuple):
       name: the format's name (for messages).
       keys: torch name within one layer -> eae_jax path, in the order the
         original module registers them (exports keep that order).
+
+    Example:
+      >>> from interop.layout import HF_BLOCK
+      >>> HF_BLOCK.keys["mlp.gate_proj.weight"], len(HF_BLOCK.keys)
+      (('ffn', 'w_gate'), 9)
     """
 
     name: str
@@ -47,6 +52,11 @@ class LMLayout(NamedTuple):
         output projection (None when the format has none of them).
       ignore: regexes of non-parameter buffers older exporters wrote (RoPE
         ``inv_freq`` ...); they are skipped, everything else unknown is an error.
+
+    Example:
+      >>> from interop.layout import LLAMA2C_LM
+      >>> LLAMA2C_LM.layer_prefix.format(i=3) + "attention.wq.weight", LLAMA2C_LM.embed
+      ('layers.3.attention.wq.weight', 'tok_embeddings.weight')
     """
 
     block: BlockLayout
@@ -105,7 +115,15 @@ LLAMA2C_LM = LMLayout(
 
 
 def block_shapes(layout: BlockLayout, block_cfg) -> Dict[str, tuple]:
-    """torch name within a layer -> expected shape, from a `BlockConfig`."""
+    """torch name within a layer -> expected shape, from a `BlockConfig`.
+
+    Example:
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from interop.layout import SEED_BLOCK, block_shapes
+      >>> shapes = block_shapes(SEED_BLOCK, BlockConfig(dim=8, num_heads=2, num_kv_heads=1, ffn_hidden_dim=16))
+      >>> shapes["attn.k_proj.weight"], shapes["ffn.down_proj.weight"]
+      ((4, 8), (8, 16))
+    """
     shapes = block_cfg.param_shapes()
     return {k: tuple(shapes[a][b]) for k, (a, b) in layout.keys.items()}
 
@@ -120,6 +138,14 @@ def expected_lm_shapes(layout: LMLayout, block_cfg, depth: int, vocab_size: Opti
       depth: number of layers.
       vocab_size: needed when the layout has an embedding.
       head: whether the output projection must be present (False for tied models).
+
+    Example:
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from interop.layout import HF_LM, expected_lm_shapes
+      >>> cfg = BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16)
+      >>> shapes = expected_lm_shapes(HF_LM, cfg, depth=2, vocab_size=32, head=False)
+      >>> len(shapes), shapes["model.embed_tokens.weight"], "lm_head.weight" in shapes
+      (20, (32, 8), False)
     """
     out = {}
     if layout.embed:
@@ -151,6 +177,21 @@ def check_tensors(found: Mapping[str, Any], expected: Mapping[str, tuple], where
 
     Expected tensors must also be floating point (an integer or bool tensor
     is reported with its name and dtype).
+
+    Example:
+      >>> import numpy as np
+      >>> from interop.layout import check_tensors
+      >>> found = {"a": np.zeros((2, 3)), "b": np.zeros(4), "extra": np.zeros(1)}
+      >>> check_tensors(found, {"a": (2, 3), "b": (5,), "c": (1,)}, "example.pt")
+      Traceback (most recent call last):
+      ...
+      interop.errors.CheckpointMismatchError: example.pt: checkpoint does not match the model
+        missing keys (1):
+          c
+        unexpected keys (1):
+          extra
+        shape mismatches (1):
+          b: checkpoint has (4,), model expects (5,)
     """
     optional = set(optional)
     other = list(other)
@@ -180,6 +221,16 @@ def to_jax(a: np.ndarray, name: str) -> jax.Array:
     Raises:
       Float64CheckpointError: float64 data while jax_enable_x64 is off (ask
         for ``dtype='float32'`` to convert on purpose).
+
+    Example:
+      >>> import numpy as np
+      >>> from interop.layout import to_jax
+      >>> to_jax(np.ones(2, np.float32), "w").dtype.name
+      'float32'
+      >>> to_jax(np.ones(2, np.float64), "w")
+      Traceback (most recent call last):
+      ...
+      interop.errors.Float64CheckpointError: w is float64 but JAX runs without x64, so it would be silently ...
     """
     if a.dtype == np.float64 and not jax.config.jax_enable_x64:
         raise Float64CheckpointError(
@@ -198,6 +249,16 @@ def stack_blocks(tensors: Mapping[str, np.ndarray], layout: LMLayout, depth: int
 
     Raises:
       CheckpointMismatchError: layers disagree on a tensor's dtype.
+
+    Example:
+      >>> import numpy as np
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from interop.layout import SEED_STACK, block_shapes, stack_blocks
+      >>> shapes = block_shapes(SEED_STACK.block, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
+      >>> tensors = {f"{i}.{name}": np.full(shape, i, np.float32) for i in range(2) for name, shape in shapes.items()}
+      >>> params = stack_blocks(tensors, SEED_STACK, depth=2, dtype=None, where="example")
+      >>> params["attn"]["wq"].shape, params["attn"]["wq"][1, 0, 0].item()      # layer 1 at index 1
+      ((2, 8, 8), 1.0)
     """
     out: Dict[str, Dict[str, jax.Array]] = {}
     problems = []
@@ -216,7 +277,17 @@ def stack_blocks(tensors: Mapping[str, np.ndarray], layout: LMLayout, depth: int
 
 
 def unstack_blocks(blocks: Mapping[str, Mapping[str, Any]], layout: LMLayout, depth: int) -> Dict[str, np.ndarray]:
-    """eae_jax stacked block params -> ``{torch name: numpy array}`` in layer order."""
+    """eae_jax stacked block params -> ``{torch name: numpy array}`` in layer order.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig, init_stack
+      >>> from interop.layout import SEED_STACK, unstack_blocks
+      >>> params = init_stack(jax.random.key(0), BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16), depth=2)
+      >>> flat = unstack_blocks(params, SEED_STACK, depth=2)
+      >>> list(flat)[:2], flat["1.ffn.up_proj.weight"].shape
+      (['0.attn_norm.weight', '0.attn.q_proj.weight'], (16, 8))
+    """
     out = {}
     leaves = {k: np.asarray(blocks[a][b]) for k, (a, b) in layout.block.keys.items()}
     for i in range(depth):
@@ -236,6 +307,23 @@ def lm_params_from_tensors(tensors: Mapping[str, np.ndarray], cfg, layout: LMLay
     Raises:
       CheckpointMismatchError: anything missing, unexpected, mis-shaped, or a
         tied head that differs from the embedding.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm
+      >>> from interop.layout import HF_LM, lm_params_from_tensors, lm_tensors_from_params
+      >>> cfg = LMConfig(vocab_size=32, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
+      >>> tensors = lm_tensors_from_params(init_lm(jax.random.key(0), cfg), cfg, HF_LM, tied_head=False)
+      >>> sorted(lm_params_from_tensors(tensors, cfg, HF_LM, dtype=None, where="example"))
+      ['blocks', 'embed', 'final_norm', 'lm_head']
+      >>> del tensors["model.norm.weight"]
+      >>> lm_params_from_tensors(tensors, cfg, HF_LM, dtype=None, where="example")
+      Traceback (most recent call last):
+      ...
+      interop.errors.CheckpointMismatchError: example: checkpoint does not match the model
+        missing keys (1):
+          model.norm.weight
     """
     expected = expected_lm_shapes(layout, cfg.block, cfg.depth, cfg.vocab_size, head=not cfg.tie_embeddings)
     optional, other = [], []
@@ -267,6 +355,16 @@ def lm_tensors_from_params(params: Mapping[str, Any], cfg, layout: LMLayout, tie
 
     Raises:
       ValueError: params do not match ``cfg``.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm
+      >>> from interop.layout import HF_LM, lm_tensors_from_params
+      >>> cfg = LMConfig(vocab_size=32, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
+      >>> tensors = lm_tensors_from_params(init_lm(jax.random.key(0), cfg), cfg, HF_LM, tied_head=False)
+      >>> list(tensors)[:2], len(tensors)              # embedding, 2 x 9 block tensors, norm, head
+      (['model.embed_tokens.weight', 'model.layers.0.self_attn.q_proj.weight'], 21)
     """
     from eae_jax.models import check_lm_params
 

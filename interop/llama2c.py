@@ -56,6 +56,13 @@ def lm_config_from_model_args(args: Mapping[str, Any], compute_dtype: Any = None
 
     Raises:
       UnsupportedConfigError: a required field is missing or not an int.
+
+    Example:
+      >>> from interop.llama2c import lm_config_from_model_args
+      >>> args = {"dim": 64, "n_layers": 5, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 512, "hidden_dim": 172}
+      >>> cfg = lm_config_from_model_args(args)
+      >>> cfg.depth, cfg.block.num_kv_heads, cfg.block.rope_style, cfg.block.norm_eps, cfg.tie_embeddings
+      (5, 4, 'interleaved', 1e-05, True)
     """
     need = ("dim", "n_layers", "n_heads", "vocab_size")
     missing = [k for k in need if k not in args]
@@ -81,6 +88,13 @@ def model_args_from_config(cfg: LMConfig, base: Optional[Mapping[str, Any]] = No
 
     Raises:
       UnsupportedConfigError: a config llama2.c cannot express (half RoPE, base != 10000).
+
+    Example:
+      >>> from interop.llama2c import lm_config_from_model_args, model_args_from_config
+      >>> cfg = lm_config_from_model_args({"dim": 64, "n_layers": 5, "n_heads": 8, "vocab_size": 512})
+      >>> args = model_args_from_config(cfg)
+      >>> args["n_layers"], args["n_kv_heads"], args["hidden_dim"], args["dropout"]   # F from the 256 rule
+      (5, 8, 256, 0.0)
     """
     b = cfg.block
     if b.rope_style != "interleaved" or b.rope_theta != LLAMA2C_ROPE_THETA:
@@ -115,6 +129,17 @@ def import_llama2c_checkpoint(ckpt: Mapping[str, Any], *, dtype: Any = None, tie
     Raises:
       UnknownFormatError: not such a dict.
       CheckpointMismatchError: missing / unexpected / mis-shaped tensors, all listed.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop.llama2c import (import_llama2c_checkpoint, llama2c_state_dict, lm_config_from_model_args,
+      ...                              model_args_from_config)
+      >>> cfg = lm_config_from_model_args({"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 32, "hidden_dim": 16})
+      >>> model = llama2c_state_dict(init_lm(jax.random.key(0), cfg), cfg)
+      >>> imported = import_llama2c_checkpoint({"model_args": model_args_from_config(cfg), "model": model, "iter_num": 10})
+      >>> imported.config.tie_embeddings, imported.meta["other_entries"]
+      (True, ['iter_num'])
     """
     if not isinstance(ckpt, Mapping) or "model_args" not in ckpt or "model" not in ckpt:
         got = sorted(ckpt) if isinstance(ckpt, Mapping) else type(ckpt).__name__
@@ -138,6 +163,17 @@ def load_llama2c_pt(path: str, *, dtype: Any = None, tie_embeddings: Optional[bo
     """Read a llama2.c ``.pt`` checkpoint (weights-only unpickler) and import it.
 
     Raises: see `import_llama2c_checkpoint` and `interop.safe_load.load_torch_file`.
+
+    Example:
+      >>> import os, tempfile, jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop.llama2c import lm_config_from_model_args, load_llama2c_pt, save_llama2c_pt
+      >>> cfg = lm_config_from_model_args({"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 32, "hidden_dim": 16})
+      >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+      >>> save_llama2c_pt(path, init_lm(jax.random.key(0), cfg), cfg, iter_num=10)
+      >>> imported = load_llama2c_pt(path)
+      >>> imported.meta["format"], imported.config.depth, imported.meta["other_entries"]
+      ('llama2c_pt', 1, ['iter_num'])
     """
     imported = import_llama2c_checkpoint(load_torch_file(path), dtype=dtype, tie_embeddings=tie_embeddings, where=path)
     imported.meta["source"] = path
@@ -149,6 +185,15 @@ def llama2c_state_dict(params: Mapping[str, Any], cfg: LMConfig) -> Dict[str, An
 
     A tied model gets ``output.weight`` as the same tensor as
     ``tok_embeddings.weight``, as llama2.c's own state dict has it.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop.llama2c import llama2c_state_dict, lm_config_from_model_args
+      >>> cfg = lm_config_from_model_args({"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 32, "hidden_dim": 16})
+      >>> sd = llama2c_state_dict(init_lm(jax.random.key(0), cfg), cfg)
+      >>> sd["layers.0.feed_forward.w1.weight"].shape, sd["output.weight"] is sd["tok_embeddings.weight"]
+      (torch.Size([16, 8]), True)
     """
     flat = lm_tensors_from_params(params, cfg, LLAMA2C_LM, tied_head=False)
     out = {k: numpy_to_torch(v) for k, v in flat.items()}
@@ -165,6 +210,17 @@ def save_llama2c_pt(path: str, params: Mapping[str, Any], cfg: LMConfig,
       model_args: a base for the written model_args (e.g. ``meta['model_args']``
         of an import, so unset fields survive a round trip).
       **extra: further plain entries (``iter_num=...``).
+
+    Example:
+      >>> import os, tempfile, jax, torch
+      >>> from eae_jax.models import init_lm
+      >>> from interop.llama2c import lm_config_from_model_args, save_llama2c_pt
+      >>> cfg = lm_config_from_model_args({"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 32, "hidden_dim": 16})
+      >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+      >>> save_llama2c_pt(path, init_lm(jax.random.key(0), cfg), cfg, iter_num=10)
+      >>> ckpt = torch.load(path, weights_only=True)
+      >>> sorted(ckpt), ckpt["model_args"]["n_layers"]
+      (['iter_num', 'model', 'model_args'], 1)
     """
     torch = require_torch()
     torch.save({"model_args": model_args_from_config(cfg, model_args), "model": llama2c_state_dict(params, cfg), **extra},
@@ -173,7 +229,14 @@ def save_llama2c_pt(path: str, params: Mapping[str, Any], cfg: LMConfig,
 
 # --------------------------------------------------------------------------- .bin
 def llama2c_rope_tables(head_dim: int, seq_len: int, theta: float = LLAMA2C_ROPE_THETA):
-    """The cos/sin tables llama2.c's ``precompute_freqs_cis`` computes (float32 numpy ``(seq, head_dim/2)``)."""
+    """The cos/sin tables llama2.c's ``precompute_freqs_cis`` computes (float32 numpy ``(seq, head_dim/2)``).
+
+    Example:
+      >>> from interop.llama2c import llama2c_rope_tables
+      >>> cos, sin = llama2c_rope_tables(head_dim=4, seq_len=3)
+      >>> cos.shape, cos[0].tolist(), sin[0].tolist()
+      ((3, 2), [1.0, 1.0], [0.0, 0.0])
+    """
     torch = require_torch()
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
     angles = torch.outer(torch.arange(seq_len), freqs).float()
@@ -215,6 +278,20 @@ def load_llama2c_bin(path: str, *, dtype: Any = None) -> ImportedModel:
       UnknownFormatError: not a llama2.c .bin; version 2 (Q8_0) is refused as
         unsupported.
       UnsupportedConfigError: RoPE tables that are not base-10000 tables.
+
+    Example:
+      >>> import os, tempfile, jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop.llama2c import lm_config_from_model_args, load_llama2c_bin, save_llama2c_bin
+      >>> cfg = lm_config_from_model_args({"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 32, "hidden_dim": 16})
+      >>> folder = tempfile.mkdtemp()
+      >>> save_llama2c_bin(os.path.join(folder, "a.bin"), init_lm(jax.random.key(0), cfg), cfg)
+      >>> model = load_llama2c_bin(os.path.join(folder, "a.bin"))
+      >>> model.meta["format"], model.config.tie_embeddings
+      ('llama2c_bin_v0', True)
+      >>> save_llama2c_bin(os.path.join(folder, "b.bin"), model.params, model.config, rope_tables=model.meta["rope_tables"])
+      >>> open(os.path.join(folder, "a.bin"), "rb").read() == open(os.path.join(folder, "b.bin"), "rb").read()
+      True
     """
     fmt = detect_format(path)
     if fmt == "llama2c_bin_v2":
@@ -284,6 +361,19 @@ def save_llama2c_bin(path: str, params: Mapping[str, Any], cfg: LMConfig, *, ver
       UnsupportedConfigError: a model llama2.c cannot express (see
         `model_args_from_config`), or an unknown version.
       ValueError: params do not match ``cfg``.
+
+    Example:
+      >>> import os, struct, tempfile, jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop.llama2c import lm_config_from_model_args, save_llama2c_bin
+      >>> cfg = lm_config_from_model_args({"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 32, "hidden_dim": 16, "max_seq_len": 16})
+      >>> path = os.path.join(tempfile.mkdtemp(), "tiny.bin")
+      >>> save_llama2c_bin(path, init_lm(jax.random.key(0), cfg), cfg)
+      >>> struct.unpack("<7i", open(path, "rb").read(28))    # dim, hidden, layers, heads, kv heads, vocab, seq
+      (8, 16, 1, 2, 2, 32, 16)
+      >>> save_llama2c_bin(path, init_lm(jax.random.key(0), cfg), cfg, version=1)
+      >>> open(path, "rb").read(4), os.path.getsize(path)   # magic 0x616b3432 ("ak42"); 256-byte header, no RoPE
+      (b'24ka', 3936)
     """
     if version not in (0, 1):
         raise UnsupportedConfigError(f"llama2.c .bin version {version} is not supported for export (use 0 or 1)")
@@ -321,6 +411,17 @@ def load_llama2c(path: str, *, dtype: Any = None) -> ImportedModel:
 
     Raises:
       UnknownFormatError: the file is neither.
+
+    Example:
+      >>> import os, tempfile, jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop.llama2c import lm_config_from_model_args, load_llama2c, save_llama2c_bin, save_llama2c_pt
+      >>> cfg = lm_config_from_model_args({"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 32, "hidden_dim": 16})
+      >>> params, folder = init_lm(jax.random.key(0), cfg), tempfile.mkdtemp()
+      >>> save_llama2c_pt(os.path.join(folder, "ckpt.pt"), params, cfg)
+      >>> save_llama2c_bin(os.path.join(folder, "model.bin"), params, cfg, version=1)
+      >>> [load_llama2c(os.path.join(folder, name)).meta["format"] for name in ("ckpt.pt", "model.bin")]
+      ['llama2c_pt', 'llama2c_bin_v1']
     """
     fmt = detect_format(path)
     if fmt == "torch_pickle":

@@ -28,6 +28,15 @@ class SeedBlockLM(nn.Module):
       blocks: ``nn.ModuleList`` of PreNormTransformerBlock.
       norm: the seed's RMSNorm with the model's eps.
       head: ``nn.Linear(D, V, bias=False)``, or None when tied to ``embed``.
+
+    Example:
+      >>> import torch
+      >>> from eae_runtime.contrib import PreNormTransformerBlock, RMSNorm
+      >>> from interop.reference import SeedBlockLM
+      >>> blocks = torch.nn.ModuleList([PreNormTransformerBlock(8, 2, max_seq_len=16)])
+      >>> lm = SeedBlockLM(torch.nn.Embedding(32, 8), blocks, RMSNorm(8))      # tied head
+      >>> lm(torch.tensor([[1, 2, 3]])).shape
+      torch.Size([1, 3, 32])
     """
 
     def __init__(self, embed, blocks, norm, head=None):
@@ -62,6 +71,19 @@ def seed_lm_from_params(params: Mapping[str, Any], cfg) -> SeedBlockLM:
     Raises:
       UnsupportedConfigError: ``rope_style='half'`` (use the Hugging Face model instead).
       ValueError: params do not match ``cfg``.
+
+    Example:
+      >>> import jax, numpy as np, torch
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm, lm_apply
+      >>> from interop.reference import seed_lm_from_params
+      >>> cfg = LMConfig(vocab_size=32, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16, max_seq_len=16))
+      >>> params = init_lm(jax.random.key(0), cfg)
+      >>> tokens = np.array([[1, 5, 7]])
+      >>> with torch.no_grad():
+      ...     torch_logits = seed_lm_from_params(params, cfg)(torch.from_numpy(tokens)).numpy()
+      >>> bool(np.allclose(torch_logits, lm_apply(params, tokens, cfg), atol=1e-5))
+      True
     """
     from eae_runtime.contrib import RMSNorm
 

@@ -66,6 +66,24 @@ def load_torch_file(path: str, allow_modules: bool = False) -> Any:
         allowlist (e.g. a ``__reduce__`` that would call ``os.system``);
         nothing was executed.
       CorruptCheckpointError: the file is truncated or damaged.
+
+    Example:
+      >>> import os, pickle, tempfile, torch
+      >>> from interop.safe_load import load_torch_file
+      >>> folder = tempfile.mkdtemp()
+      >>> torch.save({"w": torch.ones(2)}, os.path.join(folder, "weights.pt"))
+      >>> load_torch_file(os.path.join(folder, "weights.pt"))["w"].tolist()
+      [1.0, 1.0]
+      >>> class Payload:
+      ...     def __reduce__(self):
+      ...         return (os.system, ("echo this never runs",))
+      >>> with open(os.path.join(folder, "evil.pt"), "wb") as f:
+      ...     pickle.dump(Payload(), f, protocol=2)          # a pickle as torch writes them
+      >>> load_torch_file(os.path.join(folder, "evil.pt"))
+      Traceback (most recent call last):
+      ...
+      interop.errors.UnsafeCheckpointError: ...evil.pt: refused to load: the pickle references the global
+      '...system', which a weights-only load does not allow ...
     """
     torch = require_torch()
     if not os.path.isfile(path):
@@ -114,6 +132,16 @@ def load_safetensors_file(path: str) -> Dict[str, np.ndarray]:
     Raises:
       FileNotFoundError: no such file.
       CorruptCheckpointError: truncated header or data.
+
+    Example:
+      >>> import os, tempfile, torch
+      >>> from safetensors.torch import save_file
+      >>> from interop.safe_load import load_safetensors_file
+      >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+      >>> save_file({"w": torch.tensor([1.0, 2.0], dtype=torch.bfloat16)}, path)
+      >>> w = load_safetensors_file(path)["w"]
+      >>> w.dtype.name, w.astype("float32").tolist()
+      ('bfloat16', [1.0, 2.0])
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such checkpoint file: {path}")
@@ -134,7 +162,23 @@ def atomic_target(path: str):
     file written there replaces ``path`` in one rename. If the block raises,
     the temporary file is removed and ``path`` (an earlier export, say) is
     left as it was: an export that fails halfway never leaves a partial file
-    under the real name."""
+    under the real name.
+
+    Example:
+      >>> import os, tempfile
+      >>> from interop.safe_load import atomic_target
+      >>> path = os.path.join(tempfile.mkdtemp(), "out.bin")
+      >>> with atomic_target(path) as tmp, open(tmp, "wb") as f:
+      ...     _ = f.write(b"complete")
+      >>> try:
+      ...     with atomic_target(path) as tmp, open(tmp, "wb") as f:
+      ...         _ = f.write(b"half")
+      ...         raise RuntimeError("the export failed")
+      ... except RuntimeError:
+      ...     pass
+      >>> open(path, "rb").read(), os.listdir(os.path.dirname(path))   # the old file, no temporary
+      (b'complete', ['out.bin'])
+    """
     path = os.fspath(path)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
                                dir=os.path.dirname(os.path.abspath(path)))
@@ -154,6 +198,16 @@ def state_dict_to_numpy(sd: Any, where: str) -> Dict[str, np.ndarray]:
 
     Raises:
       UnknownFormatError: not a mapping of tensors (the message says what it is).
+
+    Example:
+      >>> import torch
+      >>> from interop.safe_load import state_dict_to_numpy
+      >>> state_dict_to_numpy({"w": torch.ones(2, dtype=torch.bfloat16)}, "example")["w"].dtype.name
+      'bfloat16'
+      >>> state_dict_to_numpy({"w": "not a tensor"}, "example")
+      Traceback (most recent call last):
+      ...
+      interop.errors.UnknownFormatError: example: expected a state dict of tensors, but 1 entries are not tensors: 'w'
     """
     torch = require_torch()
     if not isinstance(sd, dict):
@@ -171,7 +225,15 @@ def state_dict_to_numpy(sd: Any, where: str) -> Dict[str, np.ndarray]:
 
 def llama2c_bin_size(dim: int, hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, seq: int,
                      shared: bool, version: int) -> int:
-    """Exact byte size of a float32 llama2.c ``.bin`` (version 0 or 1) with this header."""
+    """Exact byte size of a float32 llama2.c ``.bin`` (version 0 or 1) with this header.
+
+    Example:
+      >>> from interop.safe_load import llama2c_bin_size
+      >>> llama2c_bin_size(dim=8, hidden=16, layers=1, heads=2, kv_heads=2, vocab=32, seq=16, shared=True, version=1)
+      3936
+      >>> 256 + 4 * (32 * 8 + (2 * 8 + 4 * 8 * 8 + 3 * 8 * 16) + 8)   # header + float32 tensors
+      3936
+    """
     head_dim = dim // heads
     kv_dim = kv_heads * head_dim
     floats = vocab * dim + layers * (2 * dim + dim * dim + 2 * kv_dim * dim + dim * dim + 3 * dim * hidden) + dim
@@ -215,6 +277,18 @@ def detect_format(path: str) -> str:
       FileNotFoundError: no such file or directory.
       CorruptCheckpointError: a llama2.c header whose file is too short.
       UnknownFormatError: none of the above (the message shows what was seen).
+
+    Example:
+      >>> import os, tempfile, torch
+      >>> from interop.safe_load import detect_format
+      >>> folder = tempfile.mkdtemp()
+      >>> torch.save({"w": torch.ones(1)}, os.path.join(folder, "weights.bin"))    # the name does not matter
+      >>> detect_format(os.path.join(folder, "weights.bin"))
+      'torch_pickle'
+      >>> with open(os.path.join(folder, "config.json"), "w") as f:
+      ...     _ = f.write("{}")
+      >>> detect_format(folder)
+      'hf_dir'
     """
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
@@ -271,7 +345,19 @@ def detect_format(path: str) -> str:
 
 
 def read_json(path: str) -> dict:
-    """Read a JSON object, with a clear error for anything else."""
+    """Read a JSON object, with a clear error for anything else.
+
+    Example:
+      >>> import json, os, tempfile
+      >>> from interop.safe_load import read_json
+      >>> path = os.path.join(tempfile.mkdtemp(), "config.json")
+      >>> with open(path, "w") as f:
+      ...     json.dump([1, 2], f)
+      >>> read_json(path)
+      Traceback (most recent call last):
+      ...
+      interop.errors.CorruptCheckpointError: ...config.json: expected a JSON object, got list
+    """
     try:
         with open(path) as f:
             out = json.load(f)
@@ -283,7 +369,16 @@ def read_json(path: str) -> dict:
 
 
 def file_sha256(path: str) -> str:
-    """Hex sha256 of a file (for provenance in reports)."""
+    """Hex sha256 of a file (for provenance in reports).
+
+    Example:
+      >>> import os, tempfile
+      >>> from interop.safe_load import file_sha256
+      >>> path = os.path.join(tempfile.mkdtemp(), "empty")
+      >>> open(path, "wb").close()
+      >>> file_sha256(path)
+      'e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855'
+    """
     import hashlib
 
     h = hashlib.sha256()

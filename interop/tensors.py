@@ -15,7 +15,13 @@ import numpy as np
 
 
 def require_torch():
-    """Import and return torch, or raise ImportError naming the extra to install."""
+    """Import and return torch, or raise ImportError naming the extra to install.
+
+    Example:
+      >>> from interop.tensors import require_torch
+      >>> require_torch().__name__
+      'torch'
+    """
     try:
         import torch
     except ImportError as err:  # pragma: no cover - torch is installed in the test env
@@ -51,6 +57,13 @@ def torch_to_numpy(t: Any) -> np.ndarray:
     Raises:
       TypeError: ``t`` is not a torch tensor, or has a dtype with no numpy
         counterpart (complex32, quantized ...).
+
+    Example:
+      >>> import torch
+      >>> from interop.tensors import torch_to_numpy
+      >>> a = torch_to_numpy(torch.tensor([1.5, -2.0], dtype=torch.bfloat16))
+      >>> a.dtype.name, a.astype("float32").tolist()
+      ('bfloat16', [1.5, -2.0])
     """
     torch = require_torch()
     if not isinstance(t, torch.Tensor):
@@ -71,6 +84,13 @@ def numpy_to_torch(a: Any) -> Any:
 
     Raises:
       TypeError: a dtype torch does not have.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from interop.tensors import numpy_to_torch
+      >>> t = numpy_to_torch(jnp.array([0.5, 448.0], jnp.float8_e4m3fn))
+      >>> t.dtype, t.float().tolist()
+      (torch.float8_e4m3fn, [0.5, 448.0])
     """
     torch = require_torch()
     a = np.asarray(a)
@@ -85,7 +105,14 @@ def numpy_to_torch(a: Any) -> Any:
 
 
 def torch_dtype_of(np_dtype: Any) -> Any:
-    """The torch dtype matching a numpy / JAX dtype (bit views included)."""
+    """The torch dtype matching a numpy / JAX dtype (bit views included).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from interop.tensors import torch_dtype_of
+      >>> torch_dtype_of(jnp.bfloat16), torch_dtype_of("float32")
+      (torch.bfloat16, torch.float32)
+    """
     torch = require_torch()
     np_dtype = np.dtype(np_dtype)
     for torch_dtype, (_, nd) in _bit_views().items():
@@ -95,7 +122,14 @@ def torch_dtype_of(np_dtype: Any) -> Any:
 
 
 def numpy_dtype_of(torch_dtype: Any) -> np.dtype:
-    """The numpy (ml_dtypes) dtype matching a torch dtype."""
+    """The numpy (ml_dtypes) dtype matching a torch dtype.
+
+    Example:
+      >>> import torch
+      >>> from interop.tensors import numpy_dtype_of
+      >>> numpy_dtype_of(torch.bfloat16).name, numpy_dtype_of(torch.int64).name
+      ('bfloat16', 'int64')
+    """
     torch = require_torch()
     views = _bit_views()
     if torch_dtype in views:
@@ -111,6 +145,12 @@ def resolve_dtype(dtype: Any) -> Optional[np.dtype]:
 
     Raises:
       ValueError: not a floating dtype.
+
+    Example:
+      >>> import torch
+      >>> from interop.tensors import resolve_dtype
+      >>> resolve_dtype(None) is None, resolve_dtype("bf16").name, resolve_dtype(torch.float16).name
+      (True, 'bfloat16', 'float16')
     """
     if dtype is None:
         return None
@@ -127,14 +167,31 @@ def resolve_dtype(dtype: Any) -> Optional[np.dtype]:
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two arrays hold the same dtype, shape and bytes (NaN payloads
-    and -0.0 included; any memory order, Fortran-ordered copies too)."""
+    and -0.0 included; any memory order, Fortran-ordered copies too).
+
+    Example:
+      >>> import numpy as np
+      >>> from interop.tensors import same_bits
+      >>> same_bits(np.array([0.0]), np.array([-0.0]))           # equal values, different bits
+      False
+      >>> same_bits(np.array([np.nan]), np.array([np.nan]))      # unequal values, same bits
+      True
+    """
     return (a.dtype == b.dtype and a.shape == b.shape
             and np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)))
 
 
 def cast(a: np.ndarray, dtype: Optional[np.dtype]) -> np.ndarray:
     """``a`` unchanged when ``dtype`` is None or already a's dtype, else converted
-    (round to nearest even, as `astype` does everywhere in numpy/JAX/torch)."""
+    (round to nearest even, as `astype` does everywhere in numpy/JAX/torch).
+
+    Example:
+      >>> import numpy as np
+      >>> from interop.tensors import cast
+      >>> a = np.array([1.0, 2.0], np.float32)
+      >>> cast(a, None) is a, cast(a, np.dtype("float16")).dtype.name
+      (True, 'float16')
+    """
     if dtype is None or a.dtype == dtype:
         return a
     return a.astype(dtype)

@@ -62,6 +62,13 @@ def infer_rope_theta(cos: Any, sin: Any, head_dim: int, where: str = "block") ->
 
     Raises:
       UnsupportedConfigError: the tables are not plain RoPE tables of any base.
+
+    Example:
+      >>> from eae_runtime.contrib import RotaryPositionalEmbedding
+      >>> from interop.torch_blocks import infer_rope_theta
+      >>> rope = RotaryPositionalEmbedding(16, 64, base=500000.0)
+      >>> infer_rope_theta(rope.cos_cached, rope.sin_cached, head_dim=16)
+      500000.0
     """
     torch = require_torch()
     seq = cos.shape[0]
@@ -117,6 +124,13 @@ def block_config_from_modules(blocks: Sequence[Any], compute_dtype: Any = None) 
       UnknownFormatError: an item is not an eae_runtime PreNormTransformerBlock.
       UnsupportedConfigError: RoPE disabled, different eps in the two norms,
         or blocks that disagree with each other.
+
+    Example:
+      >>> from eae_runtime.contrib import PreNormTransformerBlock
+      >>> from interop.torch_blocks import block_config_from_modules
+      >>> cfg = block_config_from_modules([PreNormTransformerBlock(16, 4, num_kv_heads=2, max_seq_len=32, norm_eps=1e-5)])
+      >>> cfg.num_kv_heads, cfg.norm_eps, cfg.max_seq_len, cfg.rope_theta, cfg.rope_style
+      (2, 1e-05, 32, 10000.0, 'interleaved')
     """
     cls = _reference_block_class()
     if len(blocks) == 0:
@@ -195,6 +209,18 @@ def import_seed_blocks(source: Any, config: Optional[BlockConfig] = None, *, dep
       UnknownFormatError, UnsupportedConfigError, UnsafeCheckpointError,
       CorruptCheckpointError: see the messages.
       ValueError: no config for a state dict, or a config contradicting the modules.
+
+    Example:
+      >>> import torch
+      >>> from eae_runtime.contrib import PreNormTransformerBlock
+      >>> from interop import import_seed_blocks
+      >>> blocks = torch.nn.ModuleList(PreNormTransformerBlock(16, 2, max_seq_len=8) for _ in range(2))
+      >>> imported = import_seed_blocks(blocks)
+      >>> imported.depth, imported.params["ffn"]["w_gate"].shape
+      (2, (2, 256, 16))
+      >>> from_dict = import_seed_blocks(blocks.state_dict(), imported.config)     # a bare state dict needs the config
+      >>> bool((from_dict.params["attn"]["wq"] == imported.params["attn"]["wq"]).all())
+      True
     """
     where = "PreNormTransformerBlock stack"
     meta = {"format": "eae_runtime_blocks"}
@@ -257,6 +283,15 @@ def seed_state_dict(params: Mapping[str, Any], config: BlockConfig) -> "OrderedD
 
     Raises:
       ValueError: params do not match ``config``.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig, init_stack
+      >>> from interop import seed_state_dict
+      >>> cfg = BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16)
+      >>> sd = seed_state_dict(init_stack(jax.random.key(0), cfg, depth=2), cfg)
+      >>> list(sd)[:2], sd["1.ffn.gate_proj.weight"].shape
+      (['0.attn_norm.weight', '0.attn.q_proj.weight'], torch.Size([16, 8]))
     """
     depth = _stack_depth(params)
     check_block_params(params, config, leading=(depth,))
@@ -285,6 +320,19 @@ def export_seed_blocks(params: Mapping[str, Any], config: BlockConfig) -> Any:
       UnsupportedConfigError: ``rope_style='half'`` (the seed block only
         implements interleaved RoPE).
       ValueError: params do not match ``config``.
+
+    Example:
+      >>> import jax, numpy as np, torch
+      >>> from eae_jax.blocks import BlockConfig, decoder_block, init_stack, plain_stack
+      >>> from interop import export_seed_blocks
+      >>> cfg = BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16, max_seq_len=8)
+      >>> params = init_stack(jax.random.key(0), cfg, depth=2)
+      >>> blocks = export_seed_blocks(params, cfg)                 # nn.ModuleList of PreNormTransformerBlock
+      >>> x = np.random.default_rng(0).standard_normal((1, 8, 8)).astype(np.float32)
+      >>> with torch.no_grad():
+      ...     y_torch = blocks[1](blocks[0](torch.from_numpy(x))).numpy()
+      >>> bool(np.allclose(y_torch, plain_stack(decoder_block(cfg), params, x), atol=1e-5))
+      True
     """
     torch = require_torch()
     if config.rope_style != "interleaved":
@@ -310,12 +358,30 @@ def export_seed_blocks(params: Mapping[str, Any], config: BlockConfig) -> Any:
 
 def save_seed_blocks(path: str, params: Mapping[str, Any], config: BlockConfig) -> None:
     """Write the stack as ``torch.save(nn.ModuleList)``: loadable by `import_seed_blocks`
-    (weights-only, with the reference classes allowlisted) and by plain torch."""
+    (weights-only, with the reference classes allowlisted) and by plain torch.
+
+    Example:
+      >>> import os, tempfile, jax
+      >>> from eae_jax.blocks import BlockConfig, init_stack
+      >>> from interop import import_seed_blocks, save_seed_blocks
+      >>> cfg = BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16, max_seq_len=8)
+      >>> path = os.path.join(tempfile.mkdtemp(), "blocks.pt")
+      >>> save_seed_blocks(path, init_stack(jax.random.key(0), cfg, depth=2), cfg)
+      >>> imported = import_seed_blocks(path)
+      >>> imported.depth, imported.config == cfg
+      (2, True)
+    """
     torch = require_torch()
     torch.save(export_seed_blocks(params, config), path)
 
 
 def block_param_name(i: int, torch_key: str) -> str:
-    """Parity name of a reference block parameter: ``blocks.<i>.<group>.<leaf>``."""
+    """Parity name of a reference block parameter: ``blocks.<i>.<group>.<leaf>``.
+
+    Example:
+      >>> from interop.torch_blocks import block_param_name
+      >>> block_param_name(3, "ffn.gate_proj.weight")
+      'blocks.3.ffn.w_gate'
+    """
     a, b = SEED_STACK.block.keys[torch_key]
     return f"blocks.{i}.{a}.{b}"

@@ -23,6 +23,13 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
     Raises:
       ValueError: ``x.shape[-1] != w.shape[1]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.blocks import linear
+      >>> w = jnp.arange(6.0).reshape(2, 3)          # out=2, in=3
+      >>> linear(jnp.ones((1, 3)), w).tolist()
+      [[3.0, 12.0]]
     """
     if w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear: input of shape {x.shape} does not match weight of shape {w.shape} (out, in)")
@@ -30,6 +37,14 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def init_linear(key: jax.Array, out_features: int, in_features: int, dtype=jnp.float32) -> jax.Array:
-    """torch's default nn.Linear init: U(-1/sqrt(in), 1/sqrt(in)), shape ``(out, in)``."""
+    """torch's default nn.Linear init: U(-1/sqrt(in), 1/sqrt(in)), shape ``(out, in)``.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import init_linear
+      >>> w = init_linear(jax.random.key(0), 4, 16)
+      >>> w.shape, bool(abs(w).max() <= 0.25)
+      ((4, 16), True)
+    """
     bound = 1.0 / math.sqrt(in_features)
     return jax.random.uniform(key, (out_features, in_features), dtype, -bound, bound)

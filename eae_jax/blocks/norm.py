@@ -7,7 +7,13 @@ import jax.numpy as jnp
 
 
 def init_rms_norm(dim: int, dtype=jnp.float32) -> dict:
-    """Params of an RMSNorm of width `dim`: ``{'scale': ones(dim)}``."""
+    """Params of an RMSNorm of width `dim`: ``{'scale': ones(dim)}``.
+
+    Example:
+      >>> from eae_jax.blocks import init_rms_norm
+      >>> init_rms_norm(3)["scale"].tolist()
+      [1.0, 1.0, 1.0]
+    """
     return {"scale": jnp.ones((dim,), dtype)}
 
 
@@ -30,6 +36,13 @@ def rms_norm(params: dict, x: jax.Array, eps: float = 1e-6) -> jax.Array:
       TypeError: ``x`` is not floating point (an integer input would be
         normalised and then truncated back to integers).
       ValueError: last axis of ``x`` differs from the width of ``scale``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.blocks import rms_norm
+      >>> x = jnp.array([[3.0, -3.0, 3.0, -3.0]])     # root mean square 3
+      >>> rms_norm({"scale": jnp.full((4,), 2.0)}, x, eps=0.0).tolist()
+      [[2.0, -2.0, 2.0, -2.0]]
     """
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"rms_norm: input must be floating point, got dtype {x.dtype}")

@@ -20,7 +20,14 @@ ROPE_STYLES = ("interleaved", "half")
 
 
 class RopeTables(NamedTuple):
-    """cos/sin tables, each ``(seq, head_dim // 2)`` float32."""
+    """cos/sin tables, each ``(seq, head_dim // 2)`` float32.
+
+    Example:
+      >>> from eae_jax.blocks import RopeTables, rope_tables
+      >>> tables = rope_tables(8, 4)
+      >>> isinstance(tables, RopeTables), tables.cos.shape
+      (True, (8, 2))
+    """
 
     cos: jax.Array
     sin: jax.Array
@@ -34,6 +41,16 @@ def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, max_seq_len
 
     Raises:
       ValueError: odd ``head_dim``, or ``seq_len > max_seq_len`` when given.
+
+    Example:
+      >>> from eae_jax.blocks import rope_tables
+      >>> tables = rope_tables(4, 8)
+      >>> tables.cos[0].tolist(), tables.sin[0].tolist()      # position 0: no rotation
+      ([1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0])
+      >>> rope_tables(16, 8, max_seq_len=8)
+      Traceback (most recent call last):
+      ...
+      ValueError: sequence length 16 exceeds the RoPE table length max_seq_len=8
     """
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
@@ -53,6 +70,16 @@ def apply_rope(x: jax.Array, tables: RopeTables, style: str = "interleaved") -> 
 
     Raises:
       ValueError: unknown style, odd head_dim, or tables shorter than the sequence.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.blocks import apply_rope, rope_tables
+      >>> x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))    # (batch, seq, heads, head_dim)
+      >>> y = apply_rope(x, rope_tables(5, 8))
+      >>> bool(jnp.allclose(y[:, 0], x[:, 0]))                       # position 0 is not rotated
+      True
+      >>> bool(jnp.allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), atol=1e-5))
+      True
     """
     if style not in ROPE_STYLES:
         raise ValueError(f"unknown rope style {style!r}; expected one of {ROPE_STYLES}")
@@ -79,6 +106,16 @@ def interleaved_to_half_permutation(head_dim: int):
     convention to the half-split one: ``w_half = w_inter[perm]`` per head.
 
     Output index ``j < d/2`` takes input ``2j``; ``j >= d/2`` takes ``2(j-d/2)+1``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.blocks import apply_rope, interleaved_to_half_permutation, rope_tables
+      >>> perm = interleaved_to_half_permutation(8)
+      >>> perm.tolist()
+      [0, 2, 4, 6, 1, 3, 5, 7]
+      >>> x, tables = jax.random.normal(jax.random.key(0), (1, 5, 1, 8)), rope_tables(5, 8)
+      >>> bool(jnp.allclose(apply_rope(x, tables)[..., perm], apply_rope(x[..., perm], tables, "half"), atol=1e-6))
+      True
     """
     import numpy as np
 

@@ -9,13 +9,26 @@ from eae_jax.blocks.linear import init_linear, linear
 
 
 def default_ffn_hidden_dim(dim: int, multiple_of: int = 256) -> int:
-    """The seed's hidden-size rule: ``multiple_of * ceil(int(2*4*dim/3) / multiple_of)``."""
+    """The seed's hidden-size rule: ``multiple_of * ceil(int(2*4*dim/3) / multiple_of)``.
+
+    Example:
+      >>> from eae_jax.blocks import default_ffn_hidden_dim
+      >>> default_ffn_hidden_dim(4096), default_ffn_hidden_dim(64, multiple_of=32)
+      (11008, 192)
+    """
     hidden = int(2 * (4 * dim) / 3)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
 def init_swiglu(key: jax.Array, dim: int, hidden_dim: int, dtype=jnp.float32) -> dict:
-    """Params ``{'w_gate': (F, D), 'w_up': (F, D), 'w_down': (D, F)}``."""
+    """Params ``{'w_gate': (F, D), 'w_up': (F, D), 'w_down': (D, F)}``.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import init_swiglu
+      >>> {name: w.shape for name, w in init_swiglu(jax.random.key(0), 8, 16).items()}
+      {'w_gate': (16, 8), 'w_up': (16, 8), 'w_down': (8, 16)}
+    """
     k1, k2, k3 = jax.random.split(key, 3)
     return {
         "w_gate": init_linear(k1, hidden_dim, dim, dtype),
@@ -29,6 +42,15 @@ def swiglu(params: dict, x: jax.Array) -> jax.Array:
 
     Raises:
       ValueError: a weight's shape does not fit ``x``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.blocks import init_swiglu, swiglu
+      >>> params = init_swiglu(jax.random.key(0), 8, 16)
+      >>> swiglu(params, jnp.ones((2, 3, 8))).shape
+      (2, 3, 8)
+      >>> float(jnp.abs(swiglu(params, jnp.zeros((1, 8)))).max())   # silu(0) = 0
+      0.0
     """
     gate = linear(x, params["w_gate"])
     up = linear(x, params["w_up"])

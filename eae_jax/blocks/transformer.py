@@ -38,7 +38,18 @@ class BlockConfig:
       compute_dtype: dtype the block computes in (params are cast to it);
         None computes in the input's dtype.
       attention_impl: forwarded to `jax.nn.dot_product_attention`
-        (None lets JAX choose; ``'cudnn'`` forces the fused GPU kernel).
+        (None: `default_attention_impl`'s choice; ``'cudnn'`` forces the
+        fused GPU kernel).
+
+    Example:
+      >>> from eae_jax.blocks import BlockConfig
+      >>> cfg = BlockConfig(dim=64, num_heads=8, num_kv_heads=2)
+      >>> cfg.head_dim, cfg.ffn_hidden_dim                  # F from the seed's rule
+      (8, 256)
+      >>> BlockConfig(dim=64, num_heads=6)
+      Traceback (most recent call last):
+      ...
+      ValueError: dim (64) must be divisible by num_heads (6)
     """
 
     dim: int
@@ -121,6 +132,13 @@ def init_block(key: jax.Array, cfg: BlockConfig, dtype=jnp.float32) -> dict:
 
     Linear weights use torch's nn.Linear default init and layout ``(out, in)``;
     norm scales are ones.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig, init_block
+      >>> params = init_block(jax.random.key(0), BlockConfig(dim=16, num_heads=2, ffn_hidden_dim=32))
+      >>> sorted(params), params["ffn"]["w_down"].shape
+      (['attn', 'attn_norm', 'ffn', 'ffn_norm'], (16, 32))
     """
     ka, kf = jax.random.split(key)
     return {
@@ -132,7 +150,15 @@ def init_block(key: jax.Array, cfg: BlockConfig, dtype=jnp.float32) -> dict:
 
 
 def init_stack(key: jax.Array, cfg: BlockConfig, depth: int, dtype=jnp.float32) -> dict:
-    """Params of ``depth`` blocks with a leading depth axis on every leaf."""
+    """Params of ``depth`` blocks with a leading depth axis on every leaf.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig, init_stack
+      >>> params = init_stack(jax.random.key(0), BlockConfig(dim=16, num_heads=2, ffn_hidden_dim=32), depth=2)
+      >>> params["attn"]["wq"].shape
+      (2, 16, 16)
+    """
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
     keys = jax.random.split(key, depth)
@@ -147,6 +173,22 @@ def check_block_params(params: Any, cfg: BlockConfig, leading: tuple = (), where
       cfg: the block configuration it should fit.
       leading: expected leading axes (``(depth,)`` for a stack).
       where: name used in the message.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig, check_block_params, init_stack
+      >>> cfg = BlockConfig(dim=16, num_heads=2, ffn_hidden_dim=32)
+      >>> params = init_stack(jax.random.key(0), cfg, depth=2)
+      >>> check_block_params(params, cfg, leading=(2,))             # fits: returns None
+      >>> del params["ffn"]["w_up"]
+      >>> check_block_params(params, cfg, leading=(3,), where="stack")
+      Traceback (most recent call last):
+      ...
+      ValueError: stack params do not match BlockConfig(dim=16, ...):
+        attn_norm/scale: shape (2, 16), expected (3, 16)
+      ...
+        missing ffn/w_up
+      ...
     """
     expected = cfg.param_shapes()
     problems = []
@@ -205,6 +247,15 @@ def decoder_block(
         ``cfg.max_seq_len``, or (default FFN and attention) params that do
         not fit ``cfg`` (`check_block_params`, every problem listed).
       TypeError: a non-floating input.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig, decoder_block, init_block
+      >>> cfg = BlockConfig(dim=16, num_heads=2, ffn_hidden_dim=32)
+      >>> block = decoder_block(cfg)                     # pure: block(params, x)
+      >>> x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+      >>> jax.jit(block)(init_block(jax.random.key(0), cfg), x).shape
+      (2, 5, 16)
     """
     ffn = ffn_fn or swiglu
     attention = attention_fn or causal_attention
@@ -246,6 +297,19 @@ def plain_stack(block_fn: Callable, params: Any, x: jax.Array, remat_policy: Any
 
     Raises:
       ValueError: an unknown policy name.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.blocks import BlockConfig, decoder_block, init_stack, plain_stack
+      >>> cfg = BlockConfig(dim=16, num_heads=2, ffn_hidden_dim=32)
+      >>> block, params = decoder_block(cfg), init_stack(jax.random.key(0), cfg, depth=2)
+      >>> x = jax.random.normal(jax.random.key(1), (1, 4, 16))
+      >>> y = jax.jit(plain_stack, static_argnums=0)(block, params, x)
+      >>> one_block = jax.jit(block)                                      # the same, block by block:
+      >>> h = one_block(jax.tree_util.tree_map(lambda p: p[0], params), x)
+      >>> h = one_block(jax.tree_util.tree_map(lambda p: p[1], params), h)
+      >>> bool(jnp.allclose(y, h, atol=1e-5))
+      True
     """
     if isinstance(remat_policy, str) and remat_policy == "none":
         fn = block_fn

@@ -28,6 +28,8 @@ MODULES = (
     "eae_jax.blocks.rope",
     "eae_jax.blocks.swiglu",
     "eae_jax.blocks.transformer",
+    "eae_jax.carry",
+    "eae_jax.observe",
     "interop.auto",
     "interop.generate",
     "interop.hf_llama",

@@ -1,7 +1,5 @@
 """`eae_jax.observe`: observations out of a backward pass, and how uses combine."""
 
-import doctest
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -155,9 +153,3 @@ def test_carry_refusal_names_what_happened(calls, fragment):
     with pytest.raises(RuntimeError, match=fragment):
         carry_lib._raise_on_bad_calls(np.float32(calls))
     carry_lib._raise_on_bad_calls(np.float32(1.0))
-
-
-@pytest.mark.parametrize("module", [O, carry_lib])
-def test_docstring_examples_run(module):
-    failures, _ = doctest.testmod(module, extraglobs={"jnp": jnp, "jax": jax, **vars(module)})
-    assert failures == 0

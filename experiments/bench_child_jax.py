@@ -50,7 +50,7 @@ def _wait_for_go(spec) -> None:
 # Which variants leave their gradients for others, and who compares with whom
 # (besides J-plain, the reference for every variant).
 WRITES_REFERENCE = ("J-plain", "eae")
-COMPARES_WITH = {"eae-offload": ("eae",), "eae-offload-unrolled": ("eae",), "eae-offload-prefetch": ("eae",), "eae-passes": ("eae",), "eae-dots": ("eae",)}
+COMPARES_WITH = {"eae-offload": ("eae",), "eae-offload-unrolled": ("eae",), "eae-passes": ("eae",), "eae-dots": ("eae",)}
 
 
 def _compare(jax, jnp, ref, gflat):
@@ -155,10 +155,6 @@ def main(spec_path: str) -> None:
         stack = eae_jax.reconstruct(block, passes=passes, boundary_dtype=variant.get("boundary_dtype"),
                                     offload=variant.get("offload", False), policy=variant.get("policy"),
                                     boundaries_in_grads=variant.get("boundaries_in_grads", True))
-        if variant.get("prefetch"):
-            # Bench-only diagnostic: the private switch that makes the reverse
-            # scan load boundary i-1 while block i runs.
-            stack._offload_prefetch = True
         state = stack.init(params_sds, x_sds, jax.random.key(0))
 
         def step(p, carry, x, y):
@@ -177,7 +173,7 @@ def main(spec_path: str) -> None:
     if stack is not None:
         # Whether the boundaries live in the gradient buffers (changes what the
         # offload memory bound is measured against).
-        slotted = stack._slot_plan(stack.segments[0], params_sds, x_sds) is not None
+        slotted = _boundaries_in_grads(variant, params_sds, x_sds)
     t0 = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
@@ -306,6 +302,21 @@ def main(spec_path: str) -> None:
 
 
 F32_TAG = "f32"
+
+
+def _boundaries_in_grads(variant, params_sds, x_sds) -> bool:
+    """Whether `reconstruct` stores this variant's boundaries inside its
+    gradient buffers: its documented condition (boundary-only storage on the
+    device, no policy, no offload) and a public `grad_slots.plan` for one
+    block's params and the stored boundary."""
+    import jax
+    from eae_jax import grad_slots
+
+    if not variant.get("boundaries_in_grads", True) or variant.get("policy") or variant.get("offload"):
+        return False
+    stored = variant.get("boundary_dtype") or x_sds.dtype
+    specs = [(leaf.shape[1:], leaf.dtype) for leaf in jax.tree_util.tree_leaves(params_sds)]
+    return grad_slots.plan(specs, x_sds.shape, stored) is not None
 
 
 def _save_f32_reference(jax, jnp, block, params, x, y, mse, workdir, cfg) -> None:

@@ -170,9 +170,6 @@ VARIANTS: Dict[str, dict] = {
     "eae-offload-unrolled": {"kind": "jax", "mode": "eae", "offload": "unrolled",
                              "doc": "eae-offload with the scanned run unrolled block by block: each boundary "
                                     "its own host array, each copy an independent transfer"},
-    "eae-offload-prefetch": {"kind": "jax", "mode": "eae", "offload": True, "prefetch": True,
-                             "doc": "diagnostic: eae-offload whose reverse scan copies boundary i-1 back while "
-                                    "block i runs (one block ahead), to show what that prefetch buys"},
     "eae-dots": {"kind": "jax", "mode": "eae", "policy": "dots",
                  "doc": "reconstruct, policy='dots': also keep weight-matmul outputs"},
     "T-plain": {"kind": "torch", "mode": "plain", "doc": "PyTorch autograd over PreNormTransformerBlock (bf16)"},

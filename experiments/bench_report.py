@@ -137,15 +137,6 @@ def targets(rows: List[dict], config: str) -> List[dict]:
             out.append({"name": f"info: {name} grads vs eae grads, across processes (rel err)", "op": "",
                         "bound": None, "pass": None, "value": off.get("grad_rel_err_vs_eae"),
                         "note": "includes GEMM autotuning differences between processes (compare J-remat vs J-plain)"})
-    if t.get("eae-offload-prefetch") is not None and t.get("eae-offload") is not None:
-        out.append({"name": "info: offload time with / without the one-ahead prefetch", "op": "", "bound": None,
-                    "pass": None, "value": t["eae-offload-prefetch"] / t["eae-offload"],
-                    "note": "< 1: the prefetch hides host-to-device copies"})
-    if t.get("eae-offload-sync") is not None and t.get("eae-offload") is not None:
-        # runs before 2026-12-04, when eae-offload prefetched and this diagnostic did not
-        out.append({"name": "info: offload time without / with the one-ahead prefetch", "op": "", "bound": None,
-                    "pass": None, "value": t["eae-offload-sync"] / t["eae-offload"],
-                    "note": "> 1: the prefetch hides host-to-device copies"})
     if m.get("eae-mp-f32b") is not None and m.get("eae-mp-bf16b") is not None:
         saved = m["eae-mp-f32b"] - m["eae-mp-bf16b"]
         out.append(_check("mp: bf16-boundary saving / (L x half an fp32 boundary)", _ratio(saved, cfg.depth * b),

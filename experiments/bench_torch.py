@@ -326,11 +326,12 @@ def make_step(blocks: nn.ModuleList, mode: str, x: torch.Tensor, y: torch.Tensor
     return step
 
 
-def build_blocks(shape: dict, weights: Dict[str, torch.Tensor], leaves, seq: int, device, dtype) -> nn.ModuleList:
-    """A stack of `SdpaGqaBlock` sharing one `RopeTables`, loaded from stacked weights.
+def build_blocks(shape: dict, weight, leaves, seq: int, device, dtype) -> nn.ModuleList:
+    """A stack of `SdpaGqaBlock` sharing one `RopeTables`, loaded block by block.
 
-    ``shape``: dim, heads, kv_heads, ffn, depth; ``weights[our_name]``:
-    ``(depth, *leaf_shape)``; ``leaves``: ``(our_name, torch_module_path)``
+    ``shape``: dim, heads, kv_heads, ffn, depth; ``weight(our_name, i)``:
+    block ``i``'s leaf as a tensor (loaded one at a time, so a deep stack
+    never sits twice in memory); ``leaves``: ``(our_name, torch_module_path)``
     pairs (`bench_common.LEAVES`).
     """
     rope = RopeTables(shape["dim"] // shape["heads"], seq, dtype, device=device)
@@ -342,7 +343,7 @@ def build_blocks(shape: dict, weights: Dict[str, torch.Tensor], leaves, seq: int
             blk = blk.to(dtype)  # the shared tables are already in dtype: .to() keeps them
             for name, path in leaves:
                 p = module_param(blk, path)
-                src = weights[name][i]
+                src = weight(name, i)
                 if tuple(p.shape) != tuple(src.shape):
                     raise ValueError(f"{path}: block parameter {tuple(p.shape)} != weight {tuple(src.shape)}")
                 p.copy_(src)

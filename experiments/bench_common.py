@@ -1,7 +1,7 @@
 """Shared pieces of the stack benchmark (`bench_stack.py`): configurations,
-variants, model FLOPs, and the weight / input / reference-gradient files that
-let every variant (JAX or PyTorch, each in its own process) run on exactly the
-same numbers.
+variants, model FLOPs, the parent/child protocol, and the weight / input /
+reference-gradient files that let every variant (JAX or PyTorch, each in its
+own processes) run on exactly the same numbers.
 
 This module imports only numpy, so the orchestrating parent process never
 touches the accelerator.
@@ -14,9 +14,9 @@ Files (all under one work directory):
   and take the first ``depth`` blocks.
 * ``data/<family>/inputs_b<B>_s<S>.npz``: input ``x`` and regression target
   ``y``, ``(B, S, D)`` bf16 bits.
-* ``ref/<config>/<variant>/<leaf>.npy`` + ``meta.json``: J-plain's parameter
-  gradients (native dtype bits) and loss, the reference every other variant is
-  compared with; and eae's, which eae-offload must reproduce.
+* ``ref/<config>/<tag>/<leaf>.npy`` + ``meta.json``: the reference process's
+  parameter gradients and loss: ``J-plain`` (bf16 bits) and ``f32`` (the same
+  step in float32), which every variant's checking process compares with.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-# H200 SXM datasheet dense bf16 tensor-core peak (the H100's), FLOP/s.
+# Dense bf16 tensor-core peak of the H100 / H200 SXM datasheets, FLOP/s (MFU's denominator).
 PEAK_BF16_FLOPS = 989e12
 GIB = float(1 << 30)
 

@@ -364,6 +364,26 @@ METHOD = ("Statistic: median over processes of each process's median step time. 
           "float32 loss. Clocks: nvidia-smi samples inside each timing window (smi.csv.gz).")
 
 
+#: What a reader of the tables needs to know about how the sides differ.
+NOTES = (
+    "Torch blocks are the seed's reference block with attention through SDPA(enable_gqa=True) on the pinned "
+    "backend (sdpa_backend, flash_attention_impl in the JSON); SDPA runs enable_gqa on the flash and math "
+    "backends only (its documentation, 2.11), so torch's attention kernel is FlashAttention while JAX's is "
+    "cuDNN's fused attention (hlo.cudnn_attention_calls).",
+    "torch.compile compiles each block (fullgraph, default mode, one graph shared by the blocks), the loss stays "
+    "eager; T-compile-bX sets torch._functorch.config.activation_memory_budget = X for that process.",
+    "T-eae-nosync is the seed runtime with RuntimeConfig(scheduler=NoHostReadScheduler()): the seed's only "
+    "per-block host read is the norm .item() inside ReconstructionEngine.reconstruct, which no RuntimeConfig "
+    "option removes; the scheduler is the runtime's documented extension point. syncs/step counts synchronizing "
+    "CUDA calls in one step (torch.cuda.set_sync_debug_mode).",
+    "Compile caches are shared between the processes of a variant (a later process loads the first one's "
+    "executable), so process-to-process spread excludes compilation differences; JAX's pool of a process that "
+    "autotuned (compile s first) may include autotuning scratch.",
+    "Gradient errors come from each variant's first process: against J-plain (bf16, another program) and against "
+    "the same step in float32 (accuracy).",
+)
+
+
 # ---------------------------------------------------------------------------- charts
 def _plots(out_dir: str, agg: List[dict], sweep: dict) -> List[str]:
     made = []
@@ -424,7 +444,8 @@ def _plots(out_dir: str, agg: List[dict], sweep: dict) -> List[str]:
 
 
 # ---------------------------------------------------------------------------- all outputs
-def _atomic_write(path: str, text: str) -> None:
+def atomic_write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
@@ -441,7 +462,7 @@ def write_outputs(out_dir: str, rows: List[dict], meta: dict, final: bool) -> st
                                                                    for e in agg],
            "ratios": rats, "targets": checks, "sweep": sweep, "method": METHOD,
            "flop_formula": bc.StackConfig.model_flops.__doc__.strip()}
-    _atomic_write(os.path.join(out_dir, "bench_results.json"), json.dumps(doc, indent=1, default=str))
+    atomic_write(os.path.join(out_dir, "bench_results.json"), json.dumps(doc, indent=1, default=str))
     tl = timeline_summary(meta)
     report = ["", "=" * 100, "VARIANTS (median over processes of each process's median step; 95% CI)"]
     report += variant_lines(agg, markdown=False)
@@ -469,9 +490,10 @@ def write_outputs(out_dir: str, rows: List[dict], meta: dict, final: bool) -> st
            "## Timeline (s)", "", ", ".join(f"{k} {v:.0f}" for k, v in tl.items())]
     if errs:
         md += ["", "## Not ok", "", "```"] + errs + ["```"]
-    md += ["", f"MFU: {doc['flop_formula']} over the median step time, against "
+    md += ["", "## Notes", ""] + [f"* {n}" for n in NOTES]
+    md += ["", f"MFU: {' '.join(doc['flop_formula'].split())} Over the median step time, against "
            f"{bc.PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s (H100/H200 SXM dense bf16 datasheet)."]
-    _atomic_write(os.path.join(out_dir, "bench_table.md"), "\n".join(md) + "\n")
+    atomic_write(os.path.join(out_dir, "bench_table.md"), "\n".join(md) + "\n")
     if final:
         made = _plots(out_dir, agg, sweep)
         report += ["", "wrote " + ", ".join(["bench_results.json", "bench_table.md"] +

@@ -25,7 +25,8 @@ Protocol (docs/benchmarks.md says why):
   ``--smi-interval-ms`` for the whole campaign (``smi.csv.gz``); the report
   summarises them over each timing window.
 * ``--deadline-s``: no batch starts and no process is timed past it (less
-  ``--reserve-s``); everything measured is written after every process.
+  ``--reserve-s``). Every process's row is saved as soon as it ends
+  (``bench_rows.json``), the whole report after every batch and at the end.
 
 Usage (GPU; ``--estimate-only`` prints the schedule and its time estimate)::
 
@@ -218,20 +219,23 @@ class SmiLogger:
         if exe is None:
             self.info = {"status": "unavailable: no nvidia-smi"}
             return self.info
+        # The GPU the children use: the first visible one.
+        gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
         for reasons in bs.SMI_REASONS + (None,):
             fields = bs.SMI_BASE + (f",{reasons}" if reasons else "")
-            probe = subprocess.run([exe, f"--query-gpu={fields}", "--format=csv,nounits", "-i", "0"],
+            probe = subprocess.run([exe, f"--query-gpu={fields}", "--format=csv,nounits", "-i", gpu],
                                    capture_output=True, text=True, timeout=30)
             if probe.returncode == 0:
                 break
         else:
-            self.info = {"status": f"unavailable: {probe.stderr.strip()[-300:]}"}
+            self.info = {"status": f"unavailable: {(probe.stderr or probe.stdout).strip()[-300:]}"}
             return self.info
         out = open(self.path, "w")
-        self.proc = subprocess.Popen([exe, f"--query-gpu={fields}", "--format=csv,nounits", "-i", "0",
-                                      f"-lms={self.interval_ms}"], stdout=out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([exe, f"--query-gpu={fields}", "--format=csv,nounits", "-i", gpu,
+                                      "-lms", str(self.interval_ms)], stdout=out, stderr=subprocess.STDOUT)
         out.close()
-        self.info = {"status": "logging", "fields": fields, "interval_ms": self.interval_ms, "file": "smi.csv.gz"}
+        self.info = {"status": "logging", "fields": fields, "gpu": gpu, "interval_ms": self.interval_ms,
+                     "file": "smi.csv.gz"}
         return self.info
 
     def stop(self) -> List[dict]:
@@ -435,7 +439,7 @@ class Runner:
             self._kill(job)
         self.timeline.append({"phase": "measure", "job": job.key, "measure_s": time.time() - t0})
 
-    def run_group(self, name: str, jobs: List[Job], write) -> None:
+    def run_group(self, name: str, jobs: List[Job], write, save_rows) -> None:
         say(f"group {name}: {sum(j.role == 'timed' for j in jobs)} timed processes "
             f"({self.args.repeats} per variant), batches of {self.jobs_limit}")
         for start in range(0, len(jobs), self.jobs_limit):
@@ -447,9 +451,11 @@ class Runner:
             t0 = time.time()
             self.prepare(batch)
             self.timeline.append({"phase": "prepare", "batch": [j.key for j in batch], "prep_s": time.time() - t0})
+            save_rows()
             for job in batch:
                 if job.state == "ready":
                     self.measure(job)
+                    save_rows()
             write()
             spent = time.time() - self.t0
             say(f"batch done: {spent:.0f}s spent, {self.remaining():.0f}s left of the deadline")
@@ -488,7 +494,8 @@ def _versions() -> dict:
     from importlib import metadata
 
     out = {"python": sys.version.split()[0]}
-    for pkg in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "torch", "eae-runtime", "numpy", "scipy"):
+    for pkg in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "torch", "triton", "eae-runtime", "numpy",
+                "scipy"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -512,13 +519,15 @@ def _collect_logs(workdir: str, out: str) -> None:
 
 
 def _rerender(path: str, out: str) -> int:
-    """Rewrite a campaign's report from its saved rows; the measurement's meta is kept."""
+    """Rewrite a campaign's report from its saved rows (bench_results.json, or
+    bench_rows.json of a campaign that was killed); the measurement's meta is kept."""
     try:
         with open(path) as f:
             doc = json.load(f)
         rows, meta = doc["rows"], doc["meta"]
     except (OSError, ValueError, KeyError) as err:
-        raise SystemExit(f"--report-from {path}: not a bench_results.json ({type(err).__name__}: {err})")
+        raise SystemExit(f"--report-from {path}: not a bench_results.json / bench_rows.json "
+                         f"({type(err).__name__}: {err})")
     os.makedirs(out, exist_ok=True)
     meta = {**meta, "rerendered": {"argv": sys.argv, "at": time.strftime("%Y-%m-%d %H:%M:%S")}}
     print(br.write_outputs(out, rows, meta, final=True))
@@ -526,7 +535,8 @@ def _rerender(path: str, out: str) -> int:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU)")
     p.add_argument("--configs", default="medium", help="comma list of medium, deep, sweep")
     p.add_argument("--variants", default=None,
@@ -544,7 +554,7 @@ def parse_args(argv=None):
     p.add_argument("--prep-timeout-s", type=float, default=None, help="per-process limit to compile + load")
     p.add_argument("--measure-timeout-s", type=float, default=None, help="per-process limit to time + check")
     p.add_argument("--deadline-s", type=float, default=None,
-                   help="whole-campaign budget from the start (default 500; smoke 600)")
+                   help="whole-campaign budget from the start (default 470; smoke 600)")
     p.add_argument("--reserve-s", type=float, default=None, help="time kept for the report at the end")
     p.add_argument("--min-batch-s", type=float, default=None,
                    help="no batch starts with less time than this left before the reserve (default 45; smoke 10)")
@@ -561,7 +571,8 @@ def parse_args(argv=None):
     p.add_argument("--estimate-only", action="store_true", help="print the schedule and its time estimate, run nothing")
     p.add_argument("--keep-workdir", action="store_true")
     p.add_argument("--report-from", default=None, metavar="JSON",
-                   help="measure nothing: re-render the report of a bench_results.json into --out")
+                   help="measure nothing: re-render the report of a bench_results.json (or bench_rows.json) "
+                        "into --out")
     args = p.parse_args(argv)
     smoke = args.smoke
     args.repeats = args.repeats or (1 if smoke else 3)
@@ -570,7 +581,7 @@ def parse_args(argv=None):
     args.jobs = args.jobs or (2 if smoke else 8)
     args.prep_timeout_s = args.prep_timeout_s or (240.0 if smoke else 300.0)
     args.measure_timeout_s = args.measure_timeout_s or (60.0 if smoke else 120.0)
-    args.deadline_s = args.deadline_s or (600.0 if smoke else 500.0)
+    args.deadline_s = args.deadline_s or (600.0 if smoke else 470.0)
     args.reserve_s = args.reserve_s if args.reserve_s is not None else (5.0 if smoke else 20.0)
     args.min_batch_s = args.min_batch_s if args.min_batch_s is not None else (10.0 if smoke else 45.0)
     if args.steps < 1 or args.warmup < 0 or args.jobs < 1 or args.repeats < 1:
@@ -630,6 +641,12 @@ def main(argv=None) -> int:
         meta["timeline"] = runner.timeline
         return br.write_outputs(args.out, runner.results, meta, final=final)
 
+    def save_rows():  # cheap, after every process: what a killed campaign leaves (--report-from reads it)
+        meta["wall_s"] = time.time() - runner.t0
+        meta["timeline"] = runner.timeline
+        br.atomic_write(os.path.join(args.out, "bench_rows.json"),
+                        json.dumps({"meta": meta, "rows": runner.results}, default=str))
+
     def on_term(signum, frame):
         raise SystemExit(128 + signum)
 
@@ -648,7 +665,7 @@ def main(argv=None) -> int:
         runner.timeline.append({"phase": "startup", "s": time.time() - runner.t0, "weights_s": time.time() - t0})
         say(f"weights and inputs ready in {time.time() - t0:.1f}s under {workdir}")
         for gname, jobs in plan:
-            runner.run_group(gname, jobs, write)
+            runner.run_group(gname, jobs, write, save_rows)
             shutil.rmtree(os.path.join(workdir, "ref"), ignore_errors=True)  # GBs for deep stacks
     finally:
         runner.stop_all(all_jobs)
@@ -656,6 +673,7 @@ def main(argv=None) -> int:
         br.attach_clocks(runner.results, samples)
         meta["clocks_whole_run"] = bs.window_clocks(samples, runner.t0, time.time()) if samples else None
         _collect_logs(workdir, args.out)
+        save_rows()
         print(write(final=True), flush=True)
         if not args.keep_workdir and not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -120,6 +120,26 @@ def test_estimate_grows_with_fewer_jobs_and_more_steps(tmp_path):
 
 SMOKE_VARIANTS = "J-plain,J-remat-nocse,eae,eae-offload,T-ckpt,T-eae-nosync"
 
+# A stand-in for nvidia-smi: the fields queried, one sample per loop period.
+FAKE_SMI = """#!{python}
+import sys, time
+args = sys.argv[1:]
+query = next(a.split("=", 1)[1] for a in args if a.startswith("--query-gpu="))
+if "noheader" in " ".join(args):
+    print("Fake GPU, Default, 81559 MiB, 1980 MHz, 1980 MHz, 0.0, 700.00 W")
+    sys.exit(0)
+period = int(args[args.index("-lms") + 1]) / 1e3 if "-lms" in args else None
+print(", ".join(query.split(",")), flush=True)
+while True:
+    now = time.time()
+    stamp = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(now)) + ".%03d" % int(now % 1 * 1000)
+    vals = [stamp, "1980", "2619", "500.0", "60", "0x0000000000000004"][:len(query.split(","))]
+    print(", ".join(vals), flush=True)
+    if period is None:
+        break
+    time.sleep(period)
+"""
+
 
 @pytest.mark.slow
 def test_bench_smoke_end_to_end(tmp_path):
@@ -127,11 +147,15 @@ def test_bench_smoke_end_to_end(tmp_path):
     round 1; every process is timed alone, in the recorded order."""
     pytest.importorskip("torch")
     pytest.importorskip("eae_runtime")
-    out = tmp_path / "out"
+    out, fake = tmp_path / "out", tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_SMI.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_stack.py"), "--smoke", "--out", str(out),
            "--variants", SMOKE_VARIANTS, "--repeats", "2", "--seed", "3", "--measure-timeout-s", "10",
-           "--inject-failure", "J-remat-nocse@medium#1:raise,T-ckpt@medium#1:hang"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+           "--smi-interval-ms", "20", "--inject-failure", "J-remat-nocse@medium#1:raise,T-ckpt@medium#1:hang"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "RATIOS" in r.stdout and "estimate:" in r.stdout
     doc = json.loads((out / "bench_results.json").read_text())
@@ -149,7 +173,8 @@ def test_bench_smoke_end_to_end(tmp_path):
     jplain_loss = next(row["loss"] for row in ok if row["variant"] == "J-plain")
     for row in ok:
         assert row["steps_timed"] == 3 and len(row["times_ms"]) == 3 and len(row["warmup_ms"]) == 1
-        assert row["timed_window"][0] >= row["measure_window"][0] and row["loss"] == pytest.approx(jplain_loss, rel=2e-2)
+        assert row["timed_window"][0] >= row["measure_window"][0]
+        assert row["loss"] == pytest.approx(jplain_loss, rel=2e-2)
         if not row["check"]:
             assert "grad_rel_err" not in row
             continue
@@ -176,8 +201,15 @@ def test_bench_smoke_end_to_end(tmp_path):
             if b is not a and b.get("measure_window"):
                 b0, b1 = b["measure_window"]
                 assert m1 <= b0 or b1 <= m0
+    # the clock log ran for the whole campaign and is summarised per timing window
+    assert doc["meta"]["smi"]["status"] == "logging" and "clocks_event_reasons" in doc["meta"]["smi"]["fields"]
+    assert doc["meta"]["clocks_whole_run"]["samples"] > 10 and (out / "smi.csv.gz").stat().st_size > 0
+    assert any(row.get("clocks", {}).get("samples", 0) > 0 for row in ok)
+    assert all(row["clocks"]["sm_mhz_min"] == 1980.0 for row in ok if row.get("clocks", {}).get("samples"))
     md = (out / "bench_table.md").read_text()
     assert md.startswith("# Stack benchmark") and "## Ratios" in md and "## Timing order" in md
+    rows_only = json.loads((out / "bench_rows.json").read_text())
+    assert len(rows_only["rows"]) == len(doc["rows"])
     assert (out / "bench_children.log.gz").stat().st_size > 0
     # the saved rows alone re-render the same report
     again = tmp_path / "again"

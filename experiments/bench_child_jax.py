@@ -132,6 +132,8 @@ def main(spec_path: str) -> None:
 
     if spec.get("inject") == "raise":
         raise RuntimeError("injected failure (testing the parent's error path)")
+    if spec.get("inject") == "oom":
+        raise RuntimeError("RESOURCE_EXHAUSTED: injected out of memory (testing the parent's retry)")
 
     dev = jax.devices()[0]
     if spec.get("require_gpu") and jax.default_backend() != "gpu":
@@ -383,6 +385,11 @@ def _same_process_check(jax, jnp, eae_jax, block, variant, params_sds, x_sds, pa
 if __name__ == "__main__":
     try:
         main(sys.argv[1])
+        # Everything is written: leave without the interpreter's teardown, so
+        # the next process is timed sooner (the driver frees the device).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except SystemExit:
         raise
     except BaseException as err:  # report, so the parent can record it in the table

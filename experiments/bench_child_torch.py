@@ -83,6 +83,8 @@ def main(spec_path: str) -> None:
         return
     if spec.get("inject") == "raise":
         raise RuntimeError("injected failure (testing the parent's error path)")
+    if spec.get("inject") == "oom":
+        raise RuntimeError("RESOURCE_EXHAUSTED: injected out of memory (testing the parent's retry)")
 
     cuda = torch.cuda.is_available()
     if spec.get("require_gpu") and not cuda:
@@ -110,7 +112,10 @@ def main(spec_path: str) -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    result = {"status": "ok", "sdpa_backend": backend, "torch_mode": mode, "flash_attention_impl": _flash_impl()}
+    result = {"status": "ok", "sdpa_backend": backend, "torch_mode": mode, "flash_attention_impl": _flash_impl(),
+              # cuBLAS may reduce bf16 GEMM partial sums in bf16 when this is on (torch's default)
+              "bf16_reduced_precision_reduction": bool(
+                  torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)}
     if mode.startswith("compile"):
         from torch._dynamo.utils import counters
 
@@ -209,6 +214,11 @@ def _check(torch, bt, blocks, grad_dict, x, workdir, cfg, from_bits, backend, de
 if __name__ == "__main__":
     try:
         main(sys.argv[1])
+        # Everything is written: leave without the interpreter's teardown, so
+        # the next process is timed sooner (the driver frees the device).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except SystemExit:
         raise
     except BaseException as err:

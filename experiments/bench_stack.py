@@ -12,9 +12,12 @@ Protocol (docs/benchmarks.md says why):
 * Every variant runs in ``--repeats`` processes. The timing order is
   ``--repeats`` rounds, each a random permutation of the variants drawn
   with ``--seed``; the order is recorded.
-* Processes start in that order, ``--jobs`` at a time: a batch compiles and
-  loads in parallel, then its processes are timed one at a time, in order,
-  while nothing else compiles or runs. Each saves every step's time.
+* Processes start in that order in batches (``--jobs`` processes while a
+  batch holds a variant's first compile, ``--warm-jobs`` after): a batch
+  compiles and loads in parallel, then its processes are timed one at a
+  time, in order, while nothing else compiles or runs. Each saves every
+  step's time. A process that runs out of device memory while preparing
+  beside the others is retried once, in the next batch.
 * A reference process in the first batch runs J-plain's step and the same
   step in float32 and writes their gradients; the first timed process of
   each variant compares its own with both.
@@ -68,7 +71,7 @@ REPO = os.path.dirname(HERE)
 # Planning assumptions behind --estimate-only and the printed estimate (not
 # measurements; the results' timeline holds what each phase took): seconds to
 # start, compile and load a process, cold (first of its variant) and warm.
-PREP_S = {"jax": (25.0, 8.0), "torch": (8.0, 8.0), "torch-compile": (60.0, 20.0), "ref": (50.0, 50.0)}
+PREP_S = {"jax": (25.0, 8.0), "torch": (8.0, 8.0), "torch-compile": (75.0, 22.0), "ref": (55.0, 55.0)}
 EXIT_S, CHECK_S, ASSUMED_TFLOPS = 2.0, 4.0, 350.0
 # Step cost relative to a step that stores everything (recomputation).
 RECOMPUTE = {"plain": 1.0, "compile": 1.0, "remat": 1.33, "ckpt": 1.33, "compile-ckpt": 1.33,
@@ -100,6 +103,7 @@ class Job:
     ready_at: Optional[float] = None
     measure_started: Optional[float] = None
     result: Optional[dict] = None
+    retried: bool = False
 
     @property
     def key(self) -> str:
@@ -182,24 +186,49 @@ def build_plan(args, groups: Dict[str, List[bc.StackConfig]], workdir: str, inje
     return plan
 
 
+def _cold(job: Job, compiled: set) -> bool:
+    return job.role == "ref" or (job.variant, job.cfg.name) not in compiled
+
+
+def next_batch(pending: List[Job], compiled: set, cold_cap: int, warm_cap: int) -> List[Job]:
+    """Take the next batch off the front of ``pending``, in order: at most
+    ``cold_cap`` processes while it holds one whose variant no earlier batch
+    compiled (a cold compile, or a reference job), else at most ``warm_cap``
+    (processes served by the compile caches need less time and memory).
+    Adds the batch's variants to ``compiled``.
+    """
+    batch: List[Job] = []
+    has_cold = False
+    while pending:
+        cold = _cold(pending[0], compiled)
+        if batch and len(batch) >= (cold_cap if (has_cold or cold) else warm_cap):
+            break
+        batch.append(pending.pop(0))
+        has_cold = has_cold or cold
+    compiled |= {(j.variant, j.cfg.name) for j in batch}
+    return batch
+
+
 def estimate(plan, args) -> dict:
     """Seconds each phase should take under the planning assumptions above."""
     prep = timing = 0.0
+    batches = 0
     for _, jobs in plan:
-        warm = set()
-        for start in range(0, len(jobs), args.jobs):
-            batch = jobs[start:start + args.jobs]
+        pending, compiled = list(jobs), set()
+        while pending:
+            cold = {(j.variant, j.cfg.name) for j in pending if _cold(j, compiled)}
+            batch = next_batch(pending, compiled, args.jobs, args.warm_jobs)
+            batches += 1
             costs = []
             for j in batch:
                 mode = bc.VARIANTS[j.variant]["mode"]
                 kind = "ref" if j.role == "ref" else ("torch-compile" if mode.startswith("compile") else j.kind)
-                costs.append(PREP_S[kind][1 if (j.variant, j.cfg.name) in warm else 0])
+                costs.append(PREP_S[kind][0 if j.role == "ref" or (j.variant, j.cfg.name) in cold else 1])
                 if j.role == "timed":
                     step = j.cfg.model_flops() * RECOMPUTE.get(mode, 1.33) / (ASSUMED_TFLOPS * 1e12)
                     timing += EXIT_S + (args.warmup + args.steps) * step + (CHECK_S if j.check else 0.0)
             prep += max(costs)
-            warm |= {(j.variant, j.cfg.name) for j in batch}
-    return {"prep_s": prep, "timing_s": timing, "startup_s": 20.0, "report_s": 10.0,
+    return {"prep_s": prep, "timing_s": timing, "startup_s": 20.0, "report_s": 10.0, "batches": batches,
             "total_s": prep + timing + 30.0, "assumptions": {"prep_s": PREP_S, "exit_s": EXIT_S, "check_s": CHECK_S,
                                                              "tflops": ASSUMED_TFLOPS, "recompute": RECOMPUTE}}
 
@@ -265,6 +294,7 @@ class Runner:
         self.t0 = time.time()
         self.results: List[dict] = []
         self.timeline: List[dict] = []
+        self.timed_seq = 0  # how many processes were timed so far (the actual order, retries included)
         self.jobs_limit = args.jobs
         self.env = dict(os.environ)
         # Several processes share the GPU while they compile: no preallocation
@@ -301,6 +331,8 @@ class Runner:
     def _spawn(self, job: Job) -> None:
         script = os.path.join(HERE, "bench_child_jax.py" if job.kind == "jax" else "bench_child_torch.py")
         env = self.env
+        if job.role == "ref":  # untimed: allocate and free per buffer, holding no pool beside the others
+            env = dict(env, XLA_PYTHON_CLIENT_ALLOCATOR="platform")
         if job.kind == "torch":
             env = dict(env, TORCHINDUCTOR_CACHE_DIR=os.path.join(self.workdir, "inductor", job.variant))
             if not self.args.compile_cache:
@@ -323,7 +355,8 @@ class Runner:
     def _finish(self, job: Job, result: dict) -> None:
         job.state = "done"
         row = {"config": job.cfg.name, "variant": job.variant, "family": job.cfg.family, "role": job.role,
-               "round": job.round, "order": job.order, "check": job.check,
+               "round": job.round, "order": job.order, "check": job.check, "retried": job.retried,
+               "timed_seq": self.timed_seq if job.measure_started is not None else None,
                "config_detail": dataclasses.asdict(job.cfg),
                # wall-clock windows (time.time()) of this process's preparation and timing
                "prep_window": None if not job.started else [job.started, job.ready_at or time.time()],
@@ -415,6 +448,7 @@ class Runner:
             self._skip(job)
             return
         job.state = "measuring"
+        self.timed_seq += 1
         t0 = job.measure_started = time.time()
         limit = min(self.args.measure_timeout_s, max(5.0, self.remaining() - self.args.reserve_s))
         try:
@@ -441,24 +475,42 @@ class Runner:
 
     def run_group(self, name: str, jobs: List[Job], write, save_rows) -> None:
         say(f"group {name}: {sum(j.role == 'timed' for j in jobs)} timed processes "
-            f"({self.args.repeats} per variant), batches of {self.jobs_limit}")
-        for start in range(0, len(jobs), self.jobs_limit):
-            batch = jobs[start:start + self.jobs_limit]
+            f"({self.args.repeats} per variant), batches of {self.jobs_limit} "
+            f"({min(self.jobs_limit, self.args.warm_jobs)} once every variant has compiled)")
+        pending, compiled = list(jobs), set()
+        warm_cap = self.args.warm_jobs if self.jobs_limit > 1 else 1
+        while pending:
+            batch = next_batch(pending, compiled, self.jobs_limit, warm_cap)
             if self.remaining() < self.args.reserve_s + self.args.min_batch_s:
-                for job in batch:
+                for job in batch + pending:
                     self._skip(job)
-                continue
+                return
             t0 = time.time()
             self.prepare(batch)
             self.timeline.append({"phase": "prepare", "batch": [j.key for j in batch], "prep_s": time.time() - t0})
+            retry = [j for j in batch if self._out_of_memory(j)]
+            for job in retry:  # prepared beside too many others: once more, in the next batch
+                say(f"  {job.key:<34} ran out of device memory while preparing: retried in the next batch")
+                self.results.remove(job.result)
+                job.retried, job.proc, job.lines, job.state = True, None, queue.Queue(), "pending"
+                job.started, job.ready_at, job.result = 0.0, None, None
+            pending[:0] = retry
             save_rows()
             for job in batch:
                 if job.state == "ready":
                     self.measure(job)
                     save_rows()
             write()
-            spent = time.time() - self.t0
-            say(f"batch done: {spent:.0f}s spent, {self.remaining():.0f}s left of the deadline")
+            say(f"batch done: {time.time() - self.t0:.0f}s spent, {self.remaining():.0f}s left of the deadline")
+
+    @staticmethod
+    def _out_of_memory(job: Job) -> bool:
+        """A first failure before READY that says the device ran out of memory."""
+        if job.retried or job.result is None or job.result.get("status") != "error" or job.ready_at is not None:
+            return False
+        text = str(job.result.get("error", ""))
+        return any(m in text for m in ("out of memory", "RESOURCE_EXHAUSTED", "OutOfMemoryError",
+                                        "CUDA_ERROR_OUT_OF_MEMORY"))
 
     def stop_all(self, jobs: List[Job]) -> None:
         for job in jobs:
@@ -471,8 +523,8 @@ def _parse_injections(text: str) -> Dict[str, str]:
     out = {}
     for item in filter(None, (text or "").split(",")):
         key, _, what = item.partition(":")
-        if what not in ("raise", "hang"):
-            raise SystemExit(f"--inject-failure items are VARIANT@CONFIG[#ROUND]:raise|hang, got {item!r}")
+        if what not in ("raise", "hang", "oom"):
+            raise SystemExit(f"--inject-failure items are VARIANT@CONFIG[#ROUND]:raise|hang|oom, got {item!r}")
         out[key] = what
     return out
 
@@ -549,7 +601,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"),
                    help="where the JSON, tables, clock log and logs go (default $OUT, else experiments/results)")
     p.add_argument("--workdir", default=None, help="scratch for weights, references, caches, logs (default a temp dir)")
-    p.add_argument("--jobs", type=int, default=None, help="processes compiling at once (default 8; smoke 2)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="processes preparing at once while some compile cold (default 8; smoke 2)")
+    p.add_argument("--warm-jobs", type=int, default=None,
+                   help="processes preparing at once once every variant of the batch has compiled (default 13; "
+                        "smoke 2)")
     p.add_argument("--sdpa-backend", default="flash", help="the one SDPA backend torch attention may use")
     p.add_argument("--prep-timeout-s", type=float, default=None, help="per-process limit to compile + load")
     p.add_argument("--measure-timeout-s", type=float, default=None, help="per-process limit to time + check")
@@ -562,8 +618,8 @@ def parse_args(argv=None):
     p.add_argument("--save-hlo", default="J-remat,J-remat-nocse,eae",
                    help="variants whose compiled HLO (medium, checking process) goes into hlo_medium.tar.gz")
     p.add_argument("--inject-failure", default="",
-                   help="testing aid: VARIANT@CONFIG[#ROUND]:raise|hang,... makes those processes (all, or "
-                        "that round's) fail or hang")
+                   help="testing aid: VARIANT@CONFIG[#ROUND]:raise|hang|oom,... makes those processes (all, or "
+                        "that round's) fail, hang, or fail as out of device memory while preparing")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
                    help="every process compiles from scratch (no JAX / inductor caches shared between processes)")
     p.add_argument("--no-reference", dest="reference", action="store_false",
@@ -579,13 +635,14 @@ def parse_args(argv=None):
     args.steps = args.steps or (3 if smoke else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if smoke else 2)
     args.jobs = args.jobs or (2 if smoke else 8)
+    args.warm_jobs = args.warm_jobs or (2 if smoke else 13)
     args.prep_timeout_s = args.prep_timeout_s or (240.0 if smoke else 300.0)
     args.measure_timeout_s = args.measure_timeout_s or (60.0 if smoke else 120.0)
     args.deadline_s = args.deadline_s or (600.0 if smoke else 470.0)
     args.reserve_s = args.reserve_s if args.reserve_s is not None else (5.0 if smoke else 20.0)
     args.min_batch_s = args.min_batch_s if args.min_batch_s is not None else (10.0 if smoke else 45.0)
-    if args.steps < 1 or args.warmup < 0 or args.jobs < 1 or args.repeats < 1:
-        raise SystemExit("--steps, --jobs and --repeats must be >= 1 and --warmup >= 0")
+    if min(args.steps, args.jobs, args.warm_jobs, args.repeats) < 1 or args.warmup < 0:
+        raise SystemExit("--steps, --jobs, --warm-jobs and --repeats must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -607,7 +664,8 @@ def main(argv=None) -> int:
     order = [{"order": j.order, "round": j.round, "config": j.cfg.name, "variant": j.variant, "check": j.check}
              for _, jobs in plan for j in jobs if j.role == "timed"]
     say(f"timing order (seed {args.seed}): " + ", ".join(f"{o['variant']}#{o['round']}" for o in order))
-    say(f"estimate: compile+load {est['prep_s']:.0f}s + timing {est['timing_s']:.0f}s + startup/report "
+    say(f"estimate: {est['batches']} batches, compile+load {est['prep_s']:.0f}s + timing {est['timing_s']:.0f}s + "
+        f"startup/report "
         f"{est['startup_s'] + est['report_s']:.0f}s = {est['total_s']:.0f}s (deadline {args.deadline_s:.0f}s; "
         f"planning assumptions, see the results' timeline for what each phase took)")
     if est["total_s"] > args.deadline_s:
@@ -619,7 +677,8 @@ def main(argv=None) -> int:
     runner = Runner(args, workdir)
     smi = SmiLogger(args.out, args.smi_interval_ms)
     meta = {"argv": sys.argv, "smoke": args.smoke, "steps": args.steps, "warmup": args.warmup,
-            "repeats": args.repeats, "seed": args.seed, "jobs": args.jobs, "sdpa_backend": args.sdpa_backend,
+            "repeats": args.repeats, "seed": args.seed, "jobs": args.jobs, "warm_jobs": args.warm_jobs,
+            "sdpa_backend": args.sdpa_backend,
             "compile_cache": args.compile_cache, "timing_order": order, "estimate": est, "versions": _versions(),
             "gpu": _gpu_info(), "peak_flops": bc.PEAK_BF16_FLOPS, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "started_epoch": runner.t0, "env": {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "XLA_FLAGS")}}

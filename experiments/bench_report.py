@@ -100,7 +100,7 @@ def aggregate(rows: List[dict]) -> List[dict]:
             for key in ("sdpa_backend", "torch_mode", "activation_memory_budget", "carry_calls"):
                 if key in ok[0]:
                     entry[key] = ok[0][key]
-            checked = [r for r in ok if r.get("check")]
+            checked = [r for r in ok if r.get("check", True)]  # an older single-process row checked itself
             for key in CHECK_FIELDS:
                 if checked and key in checked[0]:
                     entry[key] = checked[0][key]
@@ -126,16 +126,16 @@ def _by(agg: List[dict], config: str) -> Dict[str, dict]:
 
 
 def _ratio_entry(config, name, kind, a: dict, b: dict, higher_is_win: Optional[bool], reading: str) -> dict:
+    # Processes without per-step times (older single-process runs) give no interval and no verdict.
+    per_step = a["per_step_times"] and b["per_step_times"]
     if kind == "time":
         num, den = a["times_ms"], b["times_ms"]
-        per_step = a["per_step_times"] and b["per_step_times"]
     else:
         key = "peak_bytes_all" if kind == "peak" else "peak_reserved_bytes_all"
         if any(v is None for v in a.get(key, [None]) + b.get(key, [None])):
             return {"config": config, "name": name, "kind": kind, "value": None, "ci": None, "verdict": "n/a",
                     "reading": reading, "note": "not reported by this backend"}
         num, den = [[v] for v in a[key]], [[v] for v in b[key]]
-        per_step = True
     r = bs.ratio(num, den, bs.seed_for(f"{config}/{name}/{kind}/num"), bs.seed_for(f"{config}/{name}/{kind}/den"))
     if not per_step:
         r.update(ci=None, ci_bootstrap=None, ci_t=None)

@@ -60,22 +60,12 @@ from typing import Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import numpy as np  # noqa: E402
-
 import bench_common as bc  # noqa: E402
+import bench_plan as bp  # noqa: E402
 import bench_report as br  # noqa: E402
 import bench_stats as bs  # noqa: E402
 
 REPO = os.path.dirname(HERE)
-
-# Planning assumptions behind --estimate-only and the printed estimate (not
-# measurements; the results' timeline holds what each phase took): seconds to
-# start, compile and load a process, cold (first of its variant) and warm.
-PREP_S = {"jax": (25.0, 8.0), "torch": (8.0, 8.0), "torch-compile": (75.0, 22.0), "ref": (55.0, 55.0)}
-EXIT_S, CHECK_S, ASSUMED_TFLOPS = 2.0, 4.0, 350.0
-# Step cost relative to a step that stores everything (recomputation).
-RECOMPUTE = {"plain": 1.0, "compile": 1.0, "remat": 1.33, "ckpt": 1.33, "compile-ckpt": 1.33,
-             "compile-budget": 1.15, "eae": 1.33, "eae-nosync": 1.4}
 
 
 def _now() -> str:
@@ -84,34 +74,6 @@ def _now() -> str:
 
 def say(msg: str) -> None:
     print(f"[bench {_now()}] {msg}", flush=True)
-
-
-@dataclasses.dataclass
-class Job:
-    cfg: bc.StackConfig
-    variant: str
-    role: str  # "timed" or "ref"
-    round: int
-    order: int  # position in the timing order (-1 for a reference job)
-    check: bool
-    spec_path: str
-    log_path: str
-    proc: Optional[subprocess.Popen] = None
-    lines: "queue.Queue[Optional[str]]" = dataclasses.field(default_factory=queue.Queue)
-    state: str = "pending"  # pending | prep | ready | measuring | done
-    started: float = 0.0
-    ready_at: Optional[float] = None
-    measure_started: Optional[float] = None
-    result: Optional[dict] = None
-    retried: bool = False
-
-    @property
-    def key(self) -> str:
-        return f"{self.variant}@{self.cfg.name}" + (" (ref)" if self.role == "ref" else f" #{self.round}")
-
-    @property
-    def kind(self) -> str:
-        return bc.VARIANTS[self.variant]["kind"]
 
 
 def _reader(stream, q):
@@ -126,111 +88,6 @@ def _log_tail(path: str, n: int = 25) -> str:
             return "\n".join(f.read().splitlines()[-n:])
     except OSError:
         return ""
-
-
-# ---------------------------------------------------------------------------- plan
-def timing_order(units: List[tuple], repeats: int, seed: int) -> List[tuple]:
-    """``repeats`` rounds, each a seeded random permutation of ``units``:
-    ``[(round, unit), ...]`` in timing order.
-
-    >>> [u for _, u in timing_order(["a", "b"], 2, seed=0)].count("a")
-    2
-    """
-    rng = np.random.default_rng(seed)
-    order = []
-    for r in range(repeats):
-        order += [(r, units[i]) for i in rng.permutation(len(units))]
-    return order
-
-
-def build_plan(args, groups: Dict[str, List[bc.StackConfig]], workdir: str, injections: Dict[str, str]):
-    """``[(group, [Job...]), ...]``: per group its reference jobs, then its timed processes in order."""
-    wanted = None if args.variants in (None, "", "default") else (
-        list(bc.VARIANTS) if args.variants == "all" else args.variants.split(","))
-    if wanted:
-        bad = [v for v in wanted if v not in bc.VARIANTS]
-        if bad:
-            raise SystemExit(f"unknown variant(s) {bad}; known: {', '.join(bc.VARIANTS)}")
-    save_hlo = set(filter(None, args.save_hlo.split(",")))
-    plan = []
-    for gname in args.configs.split(","):
-        if gname not in groups:
-            raise SystemExit(f"unknown config group {gname!r}; expected medium, deep or sweep")
-        variants = list(wanted or bc.DEFAULT_VARIANTS[gname])
-        if wanted and gname == "sweep":
-            variants = [v for v in wanted if v in bc.DEFAULT_VARIANTS["sweep"]] or bc.DEFAULT_VARIANTS["sweep"]
-        units = [(cfg, v) for cfg in groups[gname] for v in variants]
-        jobs: List[Job] = []
-
-        def job(cfg, v, role, rnd, order, check):
-            tag = f"{cfg.name}__{v}__{role}{rnd}"
-            spec = {"variant": v, "config": dataclasses.asdict(cfg), "workdir": workdir, "steps": args.steps,
-                    "warmup": args.warmup, "role": role, "check": check, "round": rnd,
-                    "inject": (injections.get(f"{v}@{cfg.name}#{rnd}") or injections.get(f"{v}@{cfg.name}")
-                               if role == "timed" else None),
-                    "require_gpu": not args.smoke, "sdpa_backend": args.sdpa_backend}
-            if role == "timed" and check and v in save_hlo and gname == "medium":
-                spec["save_hlo"] = os.path.join(workdir, "hlo", f"{cfg.name}__{v}.hlo.txt")
-            path = os.path.join(workdir, "specs", tag + ".json")
-            with open(path, "w") as f:
-                json.dump(spec, f)
-            return Job(cfg, v, role, rnd, order, check, path, os.path.join(workdir, "logs", tag + ".log"))
-
-        if args.reference:
-            jobs += [job(cfg, "J-plain", "ref", 0, -1, False) for cfg in groups[gname]]
-        seen = set()
-        for i, (rnd, (cfg, v)) in enumerate(timing_order(units, args.repeats, args.seed)):
-            jobs.append(job(cfg, v, "timed", rnd, i, (cfg.name, v) not in seen))
-            seen.add((cfg.name, v))
-        plan.append((gname, jobs))
-    return plan
-
-
-def _cold(job: Job, compiled: set) -> bool:
-    return job.role == "ref" or (job.variant, job.cfg.name) not in compiled
-
-
-def next_batch(pending: List[Job], compiled: set, cold_cap: int, warm_cap: int) -> List[Job]:
-    """Take the next batch off the front of ``pending``, in order: at most
-    ``cold_cap`` processes while it holds one whose variant no earlier batch
-    compiled (a cold compile, or a reference job), else at most ``warm_cap``
-    (processes served by the compile caches need less time and memory).
-    Adds the batch's variants to ``compiled``.
-    """
-    batch: List[Job] = []
-    has_cold = False
-    while pending:
-        cold = _cold(pending[0], compiled)
-        if batch and len(batch) >= (cold_cap if (has_cold or cold) else warm_cap):
-            break
-        batch.append(pending.pop(0))
-        has_cold = has_cold or cold
-    compiled |= {(j.variant, j.cfg.name) for j in batch}
-    return batch
-
-
-def estimate(plan, args) -> dict:
-    """Seconds each phase should take under the planning assumptions above."""
-    prep = timing = 0.0
-    batches = 0
-    for _, jobs in plan:
-        pending, compiled = list(jobs), set()
-        while pending:
-            cold = {(j.variant, j.cfg.name) for j in pending if _cold(j, compiled)}
-            batch = next_batch(pending, compiled, args.jobs, args.warm_jobs)
-            batches += 1
-            costs = []
-            for j in batch:
-                mode = bc.VARIANTS[j.variant]["mode"]
-                kind = "ref" if j.role == "ref" else ("torch-compile" if mode.startswith("compile") else j.kind)
-                costs.append(PREP_S[kind][0 if j.role == "ref" or (j.variant, j.cfg.name) in cold else 1])
-                if j.role == "timed":
-                    step = j.cfg.model_flops() * RECOMPUTE.get(mode, 1.33) / (ASSUMED_TFLOPS * 1e12)
-                    timing += EXIT_S + (args.warmup + args.steps) * step + (CHECK_S if j.check else 0.0)
-            prep += max(costs)
-    return {"prep_s": prep, "timing_s": timing, "startup_s": 20.0, "report_s": 10.0, "batches": batches,
-            "total_s": prep + timing + 30.0, "assumptions": {"prep_s": PREP_S, "exit_s": EXIT_S, "check_s": CHECK_S,
-                                                             "tflops": ASSUMED_TFLOPS, "recompute": RECOMPUTE}}
 
 
 # ---------------------------------------------------------------------------- clocks
@@ -328,7 +185,7 @@ class Runner:
         info["xla_flags"] = self.env.get("XLA_FLAGS", "")
         return info
 
-    def _spawn(self, job: Job) -> None:
+    def _spawn(self, job: bp.Job) -> None:
         script = os.path.join(HERE, "bench_child_jax.py" if job.kind == "jax" else "bench_child_torch.py")
         env = self.env
         if job.role == "ref":  # untimed: allocate and free per buffer, holding no pool beside the others
@@ -344,7 +201,7 @@ class Runner:
         threading.Thread(target=_reader, args=(job.proc.stdout, job.lines), daemon=True).start()
         job.state, job.started = "prep", time.time()
 
-    def _kill(self, job: Job) -> None:
+    def _kill(self, job: bp.Job) -> None:
         if job.proc is not None and job.proc.poll() is None:
             job.proc.kill()  # only our own child, by its handle
             try:
@@ -352,7 +209,7 @@ class Runner:
             except subprocess.TimeoutExpired:
                 pass
 
-    def _finish(self, job: Job, result: dict) -> None:
+    def _finish(self, job: bp.Job, result: dict) -> None:
         job.state = "done"
         row = {"config": job.cfg.name, "variant": job.variant, "family": job.cfg.family, "role": job.role,
                "round": job.round, "order": job.order, "check": job.check, "retried": job.retried,
@@ -381,12 +238,12 @@ class Runner:
                 f"{'n/a' if peak is None else f'{peak / bc.GIB:7.3f} GiB'}"
                 + (f"  grad rel err {br.fmt_err(row.get('grad_rel_err'))}" if job.check else ""))
 
-    def _fail(self, job: Job, status: str, why: str) -> None:
+    def _fail(self, job: bp.Job, status: str, why: str) -> None:
         self._kill(job)
         tail = _log_tail(job.log_path)
         self._finish(job, {"status": status, "error": f"{why}\n--- log tail ---\n{tail}" if tail else why})
 
-    def _skip(self, job: Job, why: str = "time budget (--deadline-s) exhausted") -> None:
+    def _skip(self, job: bp.Job, why: str = "time budget (--deadline-s) exhausted") -> None:
         if job.proc is not None and job.proc.poll() is None:
             try:
                 job.proc.stdin.write("QUIT\n")
@@ -399,7 +256,7 @@ class Runner:
                 self._kill(job)
         self._finish(job, {"status": "skipped", "error": why})
 
-    def _drain(self, job: Job) -> Optional[str]:
+    def _drain(self, job: bp.Job) -> Optional[str]:
         """Handle queued stdout lines; return 'ready', 'result', 'eof' or None."""
         event = None
         while True:
@@ -416,7 +273,7 @@ class Runner:
                 return "result"
             # anything else on stdout is a stray print; it is in the log
 
-    def prepare(self, batch: List[Job]) -> None:
+    def prepare(self, batch: List[bp.Job]) -> None:
         """Start every job of a batch; return when each is ready or done."""
         for job in batch:
             self._spawn(job)
@@ -442,7 +299,7 @@ class Runner:
                     self._fail(job, "timeout", f"no READY within the prep timeout ({time.time() - job.started:.0f}s)")
             time.sleep(0.05)
 
-    def measure(self, job: Job) -> None:
+    def measure(self, job: bp.Job) -> None:
         needed = max([t["measure_s"] for t in self.timeline if "measure_s" in t] or [5.0])
         if self.remaining() < self.args.reserve_s + needed:
             self._skip(job)
@@ -473,14 +330,14 @@ class Runner:
             self._kill(job)
         self.timeline.append({"phase": "measure", "job": job.key, "measure_s": time.time() - t0})
 
-    def run_group(self, name: str, jobs: List[Job], write, save_rows) -> None:
+    def run_group(self, name: str, jobs: List[bp.Job], write, save_rows) -> None:
         say(f"group {name}: {sum(j.role == 'timed' for j in jobs)} timed processes "
             f"({self.args.repeats} per variant), batches of {self.jobs_limit} "
             f"({min(self.jobs_limit, self.args.warm_jobs)} once every variant has compiled)")
         pending, compiled = list(jobs), set()
         warm_cap = self.args.warm_jobs if self.jobs_limit > 1 else 1
         while pending:
-            batch = next_batch(pending, compiled, self.jobs_limit, warm_cap)
+            batch = bp.next_batch(pending, compiled, self.jobs_limit, warm_cap)
             if self.remaining() < self.args.reserve_s + self.args.min_batch_s:
                 for job in batch + pending:
                     self._skip(job)
@@ -504,7 +361,7 @@ class Runner:
             say(f"batch done: {time.time() - self.t0:.0f}s spent, {self.remaining():.0f}s left of the deadline")
 
     @staticmethod
-    def _out_of_memory(job: Job) -> bool:
+    def _out_of_memory(job: bp.Job) -> bool:
         """A first failure before READY that says the device ran out of memory."""
         if job.retried or job.result is None or job.result.get("status") != "error" or job.ready_at is not None:
             return False
@@ -512,21 +369,11 @@ class Runner:
         return any(m in text for m in ("out of memory", "RESOURCE_EXHAUSTED", "OutOfMemoryError",
                                         "CUDA_ERROR_OUT_OF_MEMORY"))
 
-    def stop_all(self, jobs: List[Job]) -> None:
+    def stop_all(self, jobs: List[bp.Job]) -> None:
         for job in jobs:
             if job.state != "done":
                 self._kill(job)
                 self._finish(job, {"status": "skipped", "error": "campaign stopped before this process ran"})
-
-
-def _parse_injections(text: str) -> Dict[str, str]:
-    out = {}
-    for item in filter(None, (text or "").split(",")):
-        key, _, what = item.partition(":")
-        if what not in ("raise", "hang", "oom"):
-            raise SystemExit(f"--inject-failure items are VARIANT@CONFIG[#ROUND]:raise|hang|oom, got {item!r}")
-        out[key] = what
-    return out
 
 
 def _gpu_info() -> dict:
@@ -652,15 +499,15 @@ def main(argv=None) -> int:
         return _rerender(args.report_from, args.out)
     depths = [int(d) for d in args.sweep_depths.split(",")] if args.sweep_depths else None
     groups = bc.configs(args.smoke, depths)
-    injections = _parse_injections(args.inject_failure)
+    injections = bp.parse_injections(args.inject_failure)
 
     import tempfile
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="eae_bench_")
     for sub in ("specs", "logs", "hlo"):
         os.makedirs(os.path.join(workdir, sub), exist_ok=True)
-    plan = build_plan(args, groups, workdir, injections)
-    est = estimate(plan, args)
+    plan = bp.build_plan(args, groups, workdir, injections)
+    est = bp.estimate(plan, args)
     order = [{"order": j.order, "round": j.round, "config": j.cfg.name, "variant": j.variant, "check": j.check}
              for _, jobs in plan for j in jobs if j.role == "timed"]
     say(f"timing order (seed {args.seed}): " + ", ".join(f"{o['variant']}#{o['round']}" for o in order))

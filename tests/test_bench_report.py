@@ -76,10 +76,12 @@ def test_single_process_rows_without_step_times_get_no_verdict():
     legacy = [{"config": "medium", "variant": v, "status": "ok", "config_detail": MED.__dict__.copy(),
                "step_ms_median": ms, "peak_bytes": int(gib * bc.GIB)} for v, ms, gib in
               (("eae", 100.0, 3.5), ("T-ckpt", 130.0, 3.8))]
+    legacy[0]["grad_rel_err"] = 4e-3
     agg = br.aggregate(legacy)
-    assert all(e["step_ms_ci"] is None for e in agg)
-    (t,) = [r for r in br.ratios(agg, "medium") if r["kind"] == "time"]
-    assert t["value"] == pytest.approx(1.3) and t["verdict"] == "n/a"
+    assert all(e["step_ms_ci"] is None for e in agg) and agg[0]["grad_rel_err"] == 4e-3
+    rats = {r["kind"]: r for r in br.ratios(agg, "medium")}
+    assert rats["time"]["value"] == pytest.approx(1.3) and rats["time"]["verdict"] == "n/a"
+    assert rats["peak"]["value"] == pytest.approx(3.5 / 3.8) and rats["peak"]["verdict"] == "n/a"
 
 
 def test_targets_and_sweep_slopes():

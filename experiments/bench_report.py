@@ -32,6 +32,8 @@ TIME_AGAINST = ("J-remat", "J-remat-nocse", "J-plain", "T-plain", "T-ckpt", "T-c
 #: Memory ratios ``eae / X`` (below 1: eae needs less, a win), peak and pool.
 MEMORY_AGAINST = ("T-ckpt", "T-compile-b0.1", "T-compile-b0.3", "T-compile-b0.5", "T-compile-ckpt", "J-remat",
                   "T-eae")
+#: A ratio gets an interval and a verdict only with this many processes a side.
+MIN_PROCESSES = 2
 #: Ratios that separate framework costs (informative, no side wins).
 INFO_RATIOS = (("T-eae", "T-eae-nosync", "time"), ("J-remat", "J-remat-nocse", "time"),
                ("T-compile", "T-plain", "time"))
@@ -137,11 +139,17 @@ def _ratio_entry(config, name, kind, a: dict, b: dict, higher_is_win: Optional[b
                     "reading": reading, "note": "not reported by this backend"}
         num, den = [[v] for v in a[key]], [[v] for v in b[key]]
     r = bs.ratio(num, den, bs.seed_for(f"{config}/{name}/{kind}/num"), bs.seed_for(f"{config}/{name}/{kind}/den"))
+    note = ""
     if not per_step:
         r.update(ci=None, ci_bootstrap=None, ci_t=None)
+        note = "no per-step times"
+    elif min(len(num), len(den)) < MIN_PROCESSES:
+        # one process says nothing about the spread between processes
+        r.update(ci=None)
+        note = f"fewer than {MIN_PROCESSES} processes on a side"
     verdict = "info" if higher_is_win is None else bs.verdict(r["ci"], higher_is_win)
     return {"config": config, "name": name, "kind": kind, **r, "verdict": verdict, "reading": reading,
-            "processes": [len(num), len(den)]}
+            "processes": [len(num), len(den)], "note": note}
 
 
 def ratios(agg: List[dict], config: str) -> List[dict]:
@@ -315,7 +323,8 @@ def variant_lines(agg: List[dict], markdown: bool) -> List[str]:
 def ratio_lines(rats: List[dict], markdown: bool) -> List[str]:
     head = ["config", "ratio", "kind", "value", "95% CI", "verdict", "reading"]
     body = [[r["config"], r["name"], r["kind"], "n/a" if r["value"] is None else f"{r['value']:.3f}",
-             _ci(r.get("ci"), "{:.3f}"), r["verdict"], r["reading"]] for r in rats]
+             _ci(r.get("ci"), "{:.3f}"), r["verdict"], r["reading"] + (f" ({r['note']})" if r.get("note") else "")]
+            for r in rats]
     return _table(head, body, markdown)
 
 

@@ -72,6 +72,14 @@ def test_memory_ratio_without_a_pool_figure_is_not_a_verdict():
     assert rats[("eae / T-ckpt", "peak")]["verdict"] == "win"
 
 
+def test_a_variant_timed_in_one_process_gets_no_verdict():
+    rows = [r for r in _campaign() if r["variant"] != "T-ckpt" or r["round"] == 0]
+    rats = {(r["name"], r["kind"]): r for r in br.ratios(br.aggregate(rows), "medium")}
+    t = rats[("T-ckpt / eae", "time")]
+    assert t["value"] == pytest.approx(1.3, rel=1e-2) and t["ci"] is None and t["verdict"] == "n/a"
+    assert "fewer than 2 processes" in t["note"] and rats[("J-remat / eae", "time")]["verdict"] == "tie"
+
+
 def test_single_process_rows_without_step_times_get_no_verdict():
     legacy = [{"config": "medium", "variant": v, "status": "ok", "config_detail": MED.__dict__.copy(),
                "step_ms_median": ms, "peak_bytes": int(gib * bc.GIB)} for v, ms, gib in

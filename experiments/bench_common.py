@@ -1,7 +1,7 @@
 """Shared pieces of the stack benchmark (`bench_stack.py`): configurations,
-variants, model FLOPs, and the weight / input / reference-gradient files that
-let every variant (JAX or PyTorch, each in its own process) run on exactly the
-same numbers.
+variants, model FLOPs, the parent/child protocol, and the weight / input /
+reference-gradient files that let every variant (JAX or PyTorch, each in its
+own processes) run on exactly the same numbers.
 
 This module imports only numpy, so the orchestrating parent process never
 touches the accelerator.
@@ -14,9 +14,9 @@ Files (all under one work directory):
   and take the first ``depth`` blocks.
 * ``data/<family>/inputs_b<B>_s<S>.npz``: input ``x`` and regression target
   ``y``, ``(B, S, D)`` bf16 bits.
-* ``ref/<config>/<variant>/<leaf>.npy`` + ``meta.json``: J-plain's parameter
-  gradients (native dtype bits) and loss, the reference every other variant is
-  compared with; and eae's, which eae-offload must reproduce.
+* ``ref/<config>/<tag>/<leaf>.npy`` + ``meta.json``: the reference process's
+  parameter gradients and loss: ``J-plain`` (bf16 bits) and ``f32`` (the same
+  step in float32), which every variant's checking process compares with.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-# H200 SXM datasheet dense bf16 tensor-core peak (the H100's), FLOP/s.
+# Dense bf16 tensor-core peak of the H100 / H200 SXM datasheets, FLOP/s (MFU's denominator).
 PEAK_BF16_FLOPS = 989e12
 GIB = float(1 << 30)
 
@@ -139,14 +139,18 @@ def configs(smoke: bool, sweep_depths: Optional[Sequence[int]] = None) -> Dict[s
 
 
 # ---------------------------------------------------------------------------- variants
-# kind: which child runs it. For JAX: mode plain/remat/eae and options; for
-# torch: mode plain/ckpt/eae.
+# kind: which child runs it. JAX modes: plain / remat / eae with options;
+# torch modes: `bench_torch.MODES`.
 VARIANTS: Dict[str, dict] = {
     "J-plain": {"kind": "jax", "mode": "plain",
                 "doc": "jax.value_and_grad over the scanned stack, every internal kept"},
-    "J-remat": {"kind": "jax", "mode": "remat", "policy": "nothing_saveable",
-                "doc": "jax.checkpoint(block, nothing_saveable) inside the scan"},
+    "J-remat": {"kind": "jax", "mode": "remat", "policy": "nothing_saveable", "prevent_cse": True,
+                "doc": "jax.checkpoint(block, nothing_saveable) inside the scan (prevent_cse=True, the default)"},
+    "J-remat-nocse": {"kind": "jax", "mode": "remat", "policy": "nothing_saveable", "prevent_cse": False,
+                      "doc": "J-remat with prevent_cse=False (the scan already keeps XLA from merging the "
+                             "recomputation into the forward)"},
     "J-remat-dots": {"kind": "jax", "mode": "remat", "policy": "dots_with_no_batch_dims_saveable",
+                     "prevent_cse": True,
                      "doc": "jax.checkpoint(block, dots_with_no_batch_dims_saveable) inside the scan"},
     "eae": {"kind": "jax", "mode": "eae", "doc": "reconstruct, boundaries only, no passes"},
     "eae-sep": {"kind": "jax", "mode": "eae", "boundaries_in_grads": False,
@@ -170,20 +174,33 @@ VARIANTS: Dict[str, dict] = {
     "eae-offload-unrolled": {"kind": "jax", "mode": "eae", "offload": "unrolled",
                              "doc": "eae-offload with the scanned run unrolled block by block: each boundary "
                                     "its own host array, each copy an independent transfer"},
-    "eae-offload-prefetch": {"kind": "jax", "mode": "eae", "offload": True, "prefetch": True,
-                             "doc": "diagnostic: eae-offload whose reverse scan copies boundary i-1 back while "
-                                    "block i runs (one block ahead), to show what that prefetch buys"},
     "eae-dots": {"kind": "jax", "mode": "eae", "policy": "dots",
                  "doc": "reconstruct, policy='dots': also keep weight-matmul outputs"},
-    "T-plain": {"kind": "torch", "mode": "plain", "doc": "PyTorch autograd over PreNormTransformerBlock (bf16)"},
-    "T-ckpt": {"kind": "torch", "mode": "ckpt", "doc": "torch.utils.checkpoint per block"},
-    "T-eae": {"kind": "torch", "mode": "eae", "doc": "eae_runtime.EAERuntime(...).compute_gradients"},
+    "T-plain": {"kind": "torch", "mode": "plain", "doc": "PyTorch autograd over the stack (bf16, eager)"},
+    "T-ckpt": {"kind": "torch", "mode": "ckpt", "doc": "torch.utils.checkpoint per block (non-reentrant), eager"},
+    "T-compile": {"kind": "torch", "mode": "compile",
+                  "doc": "torch.compile of each block (fullgraph, inductor, default mode), autograd over the stack"},
+    "T-compile-ckpt": {"kind": "torch", "mode": "compile-ckpt",
+                       "doc": "torch.compile of each block wrapped in torch.utils.checkpoint"},
+    "T-compile-b0.1": {"kind": "torch", "mode": "compile-budget", "budget": 0.1,
+                       "doc": "T-compile with torch._functorch.config.activation_memory_budget = 0.1"},
+    "T-compile-b0.3": {"kind": "torch", "mode": "compile-budget", "budget": 0.3,
+                       "doc": "T-compile with torch._functorch.config.activation_memory_budget = 0.3"},
+    "T-compile-b0.5": {"kind": "torch", "mode": "compile-budget", "budget": 0.5,
+                       "doc": "T-compile with torch._functorch.config.activation_memory_budget = 0.5"},
+    "T-eae": {"kind": "torch", "mode": "eae", "doc": "eae_runtime.EAERuntime(...).compute_gradients (the seed)"},
+    "T-eae-nosync": {"kind": "torch", "mode": "eae-nosync",
+                     "doc": "the seed runtime with RuntimeConfig(scheduler=NoHostReadScheduler()): no per-block "
+                            "host read"},
 }
 
+#: The variants every ratio of docs/benchmarks.md needs.
+CAMPAIGN_VARIANTS = ["J-plain", "J-remat", "J-remat-nocse", "eae", "T-plain", "T-ckpt", "T-compile",
+                     "T-compile-ckpt", "T-compile-b0.1", "T-compile-b0.3", "T-compile-b0.5", "T-eae",
+                     "T-eae-nosync"]
+
 DEFAULT_VARIANTS = {
-    # Both offload schedules: the scan (default, compiles in constant time)
-    # and the unrolled one (compile time grows with depth, faster step).
-    "medium": list(VARIANTS),
+    "medium": CAMPAIGN_VARIANTS,
     "deep": ["J-plain", "J-remat", "eae", "eae-passes", "eae-offload", "eae-offload-unrolled", "eae-dots",
              "T-ckpt", "T-eae"],
     "sweep": ["J-plain", "J-remat", "eae"],
@@ -331,6 +348,7 @@ def combine_rel_err(per_leaf: Dict[str, Tuple[float, float]]) -> Dict[str, objec
 
 
 def summarize_times(times_s: Sequence[float]) -> Dict[str, float]:
+    """Median, min, p90 and mean (ms) of one process's timed steps (seconds)."""
     t = np.sort(np.asarray(times_s, dtype=np.float64)) * 1e3
     return {
         "step_ms_median": float(np.median(t)),
@@ -339,3 +357,38 @@ def summarize_times(times_s: Sequence[float]) -> Dict[str, float]:
         "step_ms_mean": float(t.mean()),
         "steps_timed": int(t.size),
     }
+
+
+# ---------------------------------------------------------------------------- parent <-> child protocol
+# A child compiles and loads, prints READY and waits; the parent answers GO
+# when nothing else compiles or runs, or QUIT. The child prints one
+# "RESULT <json>" (or ERROR / SKIP) and exits. A reference job (role "ref")
+# prints its RESULT without READY: it runs while others compile.
+def emit(tag: str, payload=None) -> None:
+    """Print one protocol line on stdout (the parent reads stdout only)."""
+    import sys
+
+    line = tag if payload is None else f"{tag} {json.dumps(payload)}"
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def wait_for_go(spec: dict) -> float:
+    """Say READY, block until the parent says GO; return the time (time.time()) GO came.
+
+    Exits the process (code 3) when the parent says anything else.
+    """
+    import sys
+    import time
+
+    emit("READY")
+    line = sys.stdin.readline().strip()
+    if line != "GO":
+        sys.stderr.write(f"parent said {line!r}; exiting without measuring\n")
+        sys.exit(3)
+    go = time.time()
+    if spec.get("inject") == "hang":
+        sys.stderr.write("injected hang (testing the parent's timeout)\n")
+        sys.stderr.flush()
+        time.sleep(3600)
+    return go

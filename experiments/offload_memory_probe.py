@@ -1,27 +1,17 @@
-"""Where does the unrolled offload schedule's device memory go? Compile-only.
+"""Where does an offloaded stack's device memory go? Compile-only.
 
-On the H200 `reconstruct(offload='unrolled')` ran the medium step within
-1.05x of boundary-only storage but needed 0.54 GB more device temp memory
-than the on-device store (``memory_analysis``: 1.32 vs 0.78 GB, host temp
-512 MiB), about one boundary per block, although every boundary is in host
-memory. This script compiles the step for schedule variants that differ
-only in where the optimization barriers sit, and prints XLA's memory
-analysis of each (no step is run, so it needs little device time):
+Compiles the medium train step (see `bench_stack.py`) once per storage
+schedule and prints XLA's memory analysis of each: device temp memory,
+host temp memory and the async copies in the compiled program. No step
+is run, so it needs little device time.
 
-* ``sep``: boundaries on the device, apart from the gradient buffers.
+* ``sep``: boundaries on the device, apart from the gradient buffers
+  (``boundaries_in_grads=False``).
 * ``scan``: ``offload=True`` (the scanned schedule).
-* ``unrolled``: ``offload='unrolled'`` as shipped.
-* ``unrolled-bwd-nohostbar``: the backward starts each host-to-device copy
-  without the barrier that ties its *host* operand to the incoming adjoint.
-* ``unrolled-fwd-nobar``: the forward without barriers (XLA schedules the
-  device-to-host copies freely).
-* ``unrolled-bwd-devbar``: the backward ties the copy's *device* result to
-  the incoming adjoint instead of its host operand.
+* ``unrolled``: ``offload='unrolled'``.
 
-The variants replace the two private methods that place those barriers
-(``_tie_store``, ``_fetch_after``) on one stack instance: a diagnostic, not
-an API. A variant whose device temp memory drops to the scanned
-schedule's shows which barrier keeps the boundaries on the device.
+Every variant is a public `eae_jax.reconstruct` configuration; what the
+schedules were measured to cost is in docs/benchmarks.md.
 
     python experiments/offload_memory_probe.py [--depth 6] [--variants unrolled,sep] [--out DIR] [--smoke]
 
@@ -48,44 +38,19 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eae_jax  # noqa: E402
-from eae_jax import offload as offload_lib  # noqa: E402
 from eae_jax.blocks import BlockConfig, decoder_block, init_stack  # noqa: E402
-
-
-def _fetch_untied(self, src, g):
-    """The host-to-device copy issued with nothing to wait for."""
-    return offload_lib.to_device(src), g
-
-
-def _fetch_device_tied(self, src, g):
-    """The copy's device result, not its host operand, tied to the adjoint
-    (so the copy must also finish before block i's VJP starts)."""
-    return jax.lax.optimization_barrier((offload_lib.to_device(src), g))
-
-
-def _store_untied(self, y, stored):
-    """No barrier: XLA schedules the device-to-host copies freely."""
-    return y, stored
-
 
 VARIANTS: Dict[str, Dict[str, Any]] = {
     "sep": dict(offload=False, boundaries_in_grads=False),
     "scan": dict(offload=True),
     "unrolled": dict(offload="unrolled"),
-    "unrolled-bwd-nohostbar": dict(offload="unrolled", hooks={"_fetch_after": _fetch_untied}),
-    "unrolled-fwd-nobar": dict(offload="unrolled", hooks={"_tie_store": _store_untied}),
-    "unrolled-bwd-devbar": dict(offload="unrolled", hooks={"_fetch_after": _fetch_device_tied}),
 }
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "host_temp_size_in_bytes")
 
 
 def probe(name: str, block, params, x, save_hlo: str = "") -> Dict[str, Any]:
     """Compile one variant's train step; its memory analysis and HLO counts."""
-    spec = dict(VARIANTS[name])
-    hooks = spec.pop("hooks", {})
-    stack = eae_jax.reconstruct(block, **spec)
-    for method, fn in hooks.items():
-        setattr(stack, method, fn.__get__(stack))
+    stack = eae_jax.reconstruct(block, **VARIANTS[name])
     state = stack.init(params, x, jax.random.key(0))
 
     def step(p, carry, x_):
@@ -146,8 +111,9 @@ def main(argv=None) -> Dict[str, Any]:
         temp = r["temp_size_in_bytes"] or 0
         print(f"{name:<24} {r['compile_s']:9.1f} {temp / 2**20:9.1f} {(r['host_temp_size_in_bytes'] or 0) / 2**20:9.1f} "
               f"{temp / boundary:13.2f}  {r['async_starts']}", flush=True)
-        with open(path, "w") as fh:  # after every variant: a timeout keeps what ran
+        with open(path + ".tmp", "w") as fh:  # after every variant: a timeout keeps what ran
             json.dump(results, fh, indent=1)
+        os.replace(path + ".tmp", path)
     return results
 
 

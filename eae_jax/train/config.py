@@ -28,39 +28,19 @@ PRESETS = {
 
 
 def parse_passes(spec: str):
-    """Build a pass chain from a comma list such as ``"int8,clip=1.0"``.
+    """Build a pass chain from a spec such as ``"int8,clip=1.0"`` (None when empty).
 
-    Names: ``clip=<max_norm>``, ``int8``, ``fp16``, ``bf16``, ``fp8`` /
-    ``fp8=e5m2``, ``decay=<strength>``, ``noise=<std>``, ``stats``,
-    ``topk=<ratio>``, ``guard`` / ``guard=<zero|skip|raise>``. Empty: no passes.
+    The grammar and the table of passes are `eae_jax.passes.spec`: every
+    built-in pass by its factory name or short alias (``clip``, ``int8``,
+    ``fp16``, ``bf16``, ``fp8``, ``decay``, ``noise``, ``stats``, ``topk``,
+    ``guard``, ``synthetic``, ``capture`` ...), with all its hyper-parameters.
 
     Raises:
-      ValueError: unknown name or bad value (listing the valid names).
+      ValueError: unknown name (listing the valid names), bad value or syntax.
     """
-    from eae_jax import passes as P
+    from eae_jax.passes.spec import parse_passes as parse
 
-    builders = {
-        "clip": lambda v: P.clip_by_norm(float(v if v is not None else 1.0)),
-        "int8": lambda v: P.int8_fake_quant(),
-        "fp16": lambda v: P.cast_roundtrip("fp16"),
-        "bf16": lambda v: P.cast_roundtrip("bf16"),
-        "fp8": lambda v: P.fp8_quant(format=v or "e4m3"),
-        "decay": lambda v: P.decay(float(v)),
-        "noise": lambda v: P.gaussian_noise(float(v)),
-        "stats": lambda v: P.statistics(),
-        "topk": lambda v: P.topk_compress(float(v)),
-        "guard": lambda v: P.nonfinite_guard(v or "zero"),
-    }
-    chain = []
-    for item in [s.strip() for s in (spec or "").split(",") if s.strip()]:
-        name, _, value = item.partition("=")
-        if name not in builders:
-            raise ValueError(f"unknown pass {name!r} in {spec!r}; valid: {', '.join(sorted(builders))}")
-        try:
-            chain.append(builders[name](value or None))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"bad value for pass {name!r} in {spec!r}: {err}") from err
-    return P.chain(*chain) if chain else None
+    return parse(spec)
 
 
 @dataclasses.dataclass

@@ -128,7 +128,8 @@ def compare(got: Any, want: Any) -> tuple:
     """``(max_abs, rel, cos)`` of ``got`` against the reference ``want`` in float64.
 
     ``rel = ||got - want|| / ||want||`` (``||got||`` when want is zero);
-    ``cos`` is 1 when both are zero.
+    ``cos`` is 1 when both are zero. An empty comparison proves nothing:
+    all three are NaN, so its row fails (never agreement by default).
 
     Raises:
       ValueError: shapes differ.
@@ -137,6 +138,8 @@ def compare(got: Any, want: Any) -> tuple:
     b = np.asarray(want, np.float64).ravel()
     if a.shape != b.shape:
         raise ValueError(f"cannot compare shapes {np.shape(got)} and {np.shape(want)}")
+    if a.size == 0:
+        return float("nan"), float("nan"), float("nan")
     diff = a - b
     nb, na = float(np.linalg.norm(b)), float(np.linalg.norm(a))
     max_abs = float(np.max(np.abs(diff))) if diff.size else 0.0
@@ -168,16 +171,20 @@ class ParityReport:
 
     @property
     def ok(self) -> bool:
-        """True when every row is within its tolerance."""
-        return all(r.ok for r in self.rows)
+        """True when there are rows and every one is within its tolerance (a NaN row is not)."""
+        return bool(self.rows) and all(r.ok for r in self.rows)
 
     @property
     def failures(self) -> List[Row]:
         return [r for r in self.rows if not r.ok]
 
     def worst(self, section_prefix: str = "") -> float:
-        """Largest relative error among rows whose section starts with the prefix."""
+        """Largest relative error among rows whose section starts with the prefix;
+        NaN when one of them is NaN (a NaN never hides behind a finite maximum),
+        0 when there are none."""
         rels = [r.rel for r in self.rows if r.section.startswith(section_prefix)]
+        if any(np.isnan(r) for r in rels):
+            return float("nan")
         return max(rels) if rels else 0.0
 
     def table(self) -> str:
@@ -187,7 +194,14 @@ class ParityReport:
         for r in self.rows:
             lines.append(f"{r.section:<20} {r.name:<18} {r.max_abs:>12.3e} {r.rel:>12.3e} {r.cos:>14.10f} "
                          f"{r.tol:>9.1e}  {'ok' if r.ok else 'FAIL'}")
-        verdict = "PASS" if self.ok else f"FAIL ({len(self.failures)} of {len(self.rows)} rows over tolerance)"
+        nan_rows = sum(1 for r in self.rows if np.isnan(r.rel))
+        if self.ok:
+            verdict = "PASS"
+        elif not self.rows:
+            verdict = "FAIL (nothing was compared)"
+        else:
+            verdict = (f"FAIL ({len(self.failures)} of {len(self.rows)} rows over tolerance"
+                       + (f", {nan_rows} of them NaN" if nan_rows else "") + ")")
         lines.append(f"result: {verdict}; worst rel err: forward {self.worst('forward'):.3e}, "
                      f"grad {self.worst('grad'):.3e}, adjoint {self.worst('adjoint'):.3e}")
         return "\n".join(lines)
@@ -314,6 +328,7 @@ def blocks_case(blocks: Any, *, dtype: str = "float32", batch: int = 2, seq: int
         m.to(tdt).eval()
     imported = import_seed_blocks(mods)
     cfg = imported.config
+    _check_run_shape(batch, seq, cfg.max_seq_len, "the blocks' RoPE tables")
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, seq, cfg.dim, generator=gen).to(tdt)
     target = torch.randn(batch, seq, cfg.dim, generator=gen)
@@ -337,9 +352,32 @@ def blocks_case(blocks: Any, *, dtype: str = "float32", batch: int = 2, seq: int
         lambda p: jx, jax_post)
 
 
+def _check_run_shape(batch: int, seq: int, max_seq: int, what: str) -> None:
+    """ValueError unless ``batch`` and ``seq`` are ints >= 1 and ``seq <= max_seq``
+    (checked before any model runs: torch would fail with a traceback)."""
+    for name, value in (("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if seq > max_seq:
+        raise ValueError(f"seq {seq} is longer than {what} allow (max_seq_len {max_seq})")
+
+
 def _tokens(vocab: int, batch: int, seq: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int64)
+
+
+def _tokens_for(cfg: LMConfig, batch: int, seq: int, seed: int, tokens: Optional[np.ndarray]) -> np.ndarray:
+    """The case's token ids ``(batch, seq + 1)``: random ones, or ``tokens`` checked against the model."""
+    if tokens is None:
+        _check_run_shape(batch, seq, cfg.block.max_seq_len, "the model's position tables")
+        return _tokens(cfg.vocab_size, batch, seq, seed)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"tokens must be (batch, seq + 1) ids with seq >= 1, got shape {tokens.shape}")
+    _check_run_shape(int(tokens.shape[0]), int(tokens.shape[1]) - 1, cfg.block.max_seq_len,
+                     "the model's position tables")
+    return tokens
 
 
 def _lm_case_common(cfg: LMConfig, params: dict, tokens: np.ndarray, perturb: float, seed: int):
@@ -380,9 +418,9 @@ def seed_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float
     import copy
 
     dtype = _check_dtype(dtype)
+    tokens = _tokens_for(cfg, batch, seq, seed, tokens)
     model = copy.deepcopy(model).to(_torch_dtype(dtype)).eval()
     params = _cast_tree(params, dtype)
-    tokens = _tokens(cfg.vocab_size, batch, seq, seed) if tokens is None else np.asarray(tokens)
     jparams, inputs, jax_pre, jax_logits, jax_post, torch_ce = _lm_case_common(cfg, params, tokens, perturb, seed)
     t_in = torch.from_numpy(inputs)
     named = _named_block_params(model.blocks, SEED_BLOCK)
@@ -425,9 +463,9 @@ def hf_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float32
     import copy
 
     dtype = _check_dtype(dtype)
+    tokens = _tokens_for(cfg, batch, seq, seed, tokens)
     model = copy.deepcopy(model).to(_torch_dtype(dtype)).eval()
     params = _cast_tree(params, dtype)
-    tokens = _tokens(cfg.vocab_size, batch, seq, seed) if tokens is None else np.asarray(tokens)
     jparams, inputs, jax_pre, jax_logits, jax_post, torch_ce = _lm_case_common(cfg, params, tokens, perturb, seed)
     t_in = torch.from_numpy(inputs)
     inner = model.model

@@ -53,3 +53,12 @@ def load_experiment(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def fast_compiles():
+    """XLA without most optimizations, for tests that check that a run goes through (or
+    fails as it should), not its speed: compiles take about a third of the time."""
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", False)

@@ -15,6 +15,7 @@ import pytest
 import eae_jax
 from eae_jax import passes as P
 from eae_jax.passes.base import PassContext
+from conftest import needs_gpu
 
 D, DEPTH = 8, 3
 NUM_B = DEPTH + 1  # boundaries x0..xL
@@ -796,15 +797,8 @@ def test_carry_without_backward_raises_when_strict():
 
 
 # ----------------------------------------------------------------------------- GPU
-def _has_gpu():
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+@needs_gpu[0]
+@needs_gpu[1]
 def test_casts_really_round_on_gpu():
     """On GPU XLA allows excess precision and may drop down-then-up casts; ours must not."""
     g = np.random.default_rng(8).standard_normal((64, 256)).astype(np.float32)
@@ -945,3 +939,21 @@ def test_from_optax_unaliases_an_optax_state():
     tx = optax.GradientTransformation(lambda p: (z, z), lambda u, s, p=None: (u, s))
     state = P.from_optax(tx).init(jax.ShapeDtypeStruct((3,), jnp.float32), None)
     assert aliased_leaves(state) == []
+
+
+# ----------------------------------------------------------------------------- a pass's state keeps its dtype
+def test_pass_changing_its_state_dtype_is_refused():
+    """An int32 counter updated with + 1.0 was stored as float bits and read
+    back as 1065353216."""
+    def init(spec, key):
+        return jnp.zeros((), jnp.int32)
+
+    def update(g, count, ctx):
+        return g, count + 1.0
+
+    stack = eae_jax.reconstruct(lambda w, x: x + jnp.tanh(x @ w),
+                                passes=P.AdjointTransformation(init, update, "counter"))
+    params, x = jnp.stack([jnp.eye(3) * 0.1] * 3), jnp.ones((2, 3))
+    carry = stack.init(params, x, jax.random.key(0))
+    with pytest.raises(ValueError, match="changed dtype from int32 to float32"):
+        jax.grad(lambda c: jnp.sum(stack(params, x, c)))(carry)

@@ -19,6 +19,7 @@ from eae_runtime.adjoint import AdjointState  # noqa: E402
 
 from eae_jax import passes as P  # noqa: E402
 from eae_jax.passes.base import PassContext  # noqa: E402
+from conftest import rel_err  # noqa: E402
 
 SHAPES = [(7,), (2, 8, 16), (3, 5, 33), (4, 32, 24)]
 
@@ -267,11 +268,6 @@ def _with_outliers(shape, seed_):
     return g
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 SEED_PAIRS = {
     "clip": (lambda: P.clip_by_norm(1.0), lambda: [seed.ClipPass(1.0)]),
     "clip_unclipped": (lambda: P.clip_by_norm(1e9), lambda: [seed.ClipPass(1e9)]),
@@ -306,7 +302,7 @@ def test_passes_match_the_seed_within_1e6_on_multi_axis_adjoints(name, jit):
                 ref = ref.compress(0.9)
             for sp in seed_make() if seed_make else []:
                 ref = sp(ref)
-            worst = max(worst, _rel(out, ref.tensor.numpy()))
+            worst = max(worst, rel_err(out, ref.tensor.numpy()))
             if name == "statistics":
                 want = AdjointState(tensor=torch.from_numpy(g), layer_id=0).statistics()
                 rms = float(np.sqrt(np.mean(g.astype(np.float64) ** 2)))

@@ -6,7 +6,6 @@ import itertools
 import json
 import re
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings

@@ -10,18 +10,12 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import TINY_TRAIN, quiet
 from eae_jax.train import CheckpointError, TrainConfig, train
 from eae_jax.train import checkpoint as ckpt
 from eae_jax.train.data import TokenFile
 from eae_jax.train.lock import RunLock, RunLockedError
 from eae_jax.train.rundir import RunWriteError, prepare_out
-
-TINY = dict(preset="tiny", batch=2, seq_len=8, warmup=0, log_every=1)
-
-
-def quiet(*args, **kwargs):
-    pass
-
 
 # ----------------------------------------------------------------------------- the lock
 def test_a_second_run_into_the_same_out_is_refused_naming_the_holder(tmp_path, capsys):
@@ -32,7 +26,7 @@ def test_a_second_run_into_the_same_out_is_refused_naming_the_holder(tmp_path, c
     os.makedirs(out)
     with RunLock(out):
         with pytest.raises(RunLockedError, match=rf"in use by process {os.getpid()} on .*lock {out}/.lock"):
-            train(TrainConfig(out=out, steps=1, **TINY), log_fn=quiet)
+            train(TrainConfig(out=out, steps=1, **TINY_TRAIN), log_fn=quiet)
         assert main(["train", "--out", out, "--steps", "1"]) == 2
         err = capsys.readouterr().err
         assert f"in use by process {os.getpid()}" in err and len(err.strip().splitlines()) == 1
@@ -69,7 +63,7 @@ def _two_checkpoints(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("made") / "run")
     jax.config.update("jax_disable_most_optimizations", True)
     try:
-        train(TrainConfig(out=out, steps=4, checkpoint_every=2, **TINY), log_fn=quiet, until=4)
+        train(TrainConfig(out=out, steps=4, checkpoint_every=2, **TINY_TRAIN), log_fn=quiet, until=4)
     finally:
         jax.config.update("jax_disable_most_optimizations", False)
     return out
@@ -94,7 +88,7 @@ def test_resume_falls_back_past_an_unreadable_newest_checkpoint(run_with_two_che
     bad = {"random": np.random.default_rng(0).bytes(4096), "truncated": data[: len(data) // 2], "empty": b""}[damage]
     open(newest, "wb").write(bad)
     said = []
-    summary = train(TrainConfig(out=out, steps=5, checkpoint_every=2, **TINY), log_fn=said.append)
+    summary = train(TrainConfig(out=out, steps=5, checkpoint_every=2, **TINY_TRAIN), log_fn=said.append)
     assert summary["resumed_from"] == older and summary["steps_run"] == 3
     (warning,) = [m for m in said if m.startswith("warning:")]
     assert newest in warning and older in warning and f"moved aside to {newest}.unreadable" in warning
@@ -110,7 +104,7 @@ def test_resume_refuses_when_no_checkpoint_is_readable(run_with_two_checkpoints)
     for n in names:
         open(n, "wb").write(b"\x80\x04junk")
     with pytest.raises(CheckpointError, match="no readable checkpoint") as err:
-        train(TrainConfig(out=out, steps=5, **TINY), log_fn=quiet)
+        train(TrainConfig(out=out, steps=5, **TINY_TRAIN), log_fn=quiet)
     assert all(n in str(err.value) for n in names) and "allow_pickle" not in str(err.value)
     assert all(os.path.exists(n) for n in names)  # nothing moved or deleted
 
@@ -177,7 +171,7 @@ def test_disk_full_names_the_step_and_the_file(tmp_path, monkeypatch, where, fas
         monkeypatch.setattr(ckpt.np, "savez", full)
         want = rf"step 2: cannot write {out}/checkpoints/ckpt_00000002.npz: No space left on device"
     with pytest.raises(RunWriteError, match=want):
-        train(TrainConfig(out=out, steps=2, **TINY), log_fn=quiet)
+        train(TrainConfig(out=out, steps=2, **TINY_TRAIN), log_fn=quiet)
     assert not [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith(".ckpt_tmp_")]
 
 

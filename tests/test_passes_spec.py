@@ -85,3 +85,84 @@ def test_help_lists_every_pass_with_its_parameters():
         assert name in text
     assert "warmup_steps: int=0" in text and "error_feedback: bool=true" in text and "strength: float\n" in text
     assert P.synthetic_gradient.__name__ in text
+
+
+# ----------------------------------------------------------------------------- properties
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_VALUES = st.one_of(st.sampled_from(["0", "1", "-1", "0.5", "1e-3", "nan", "inf", "-inf", "true", "no", "e5m2",
+                                     "delayed", "skip", "bf16", "fp32", "x", "", "1.5", "1e400", "10"]),
+                    st.text("abc=(),. 01", max_size=4))
+_KEYS = st.sampled_from(["max_norm", "ratio", "error_feedback", "std", "strength", "policy", "format", "scaling",
+                         "history_len", "margin", "hidden_dim", "lr", "warmup_steps", "use_synthetic", "dtype", "bogus"])
+
+
+@st.composite
+def spec_items(draw):
+    name = draw(st.one_of(st.sampled_from(sorted(PASSES)), st.sampled_from(["int4", "", "Clip", "clip "])))
+    form = draw(st.sampled_from(["bare", "eq", "call"]))
+    if form == "bare":
+        return name
+    if form == "eq":
+        return f"{name}={draw(_VALUES)}"
+    args = draw(st.lists(st.one_of(_VALUES, st.tuples(_KEYS, _VALUES).map("=".join)), max_size=3))
+    return f"{name}({', '.join(args)})"
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(spec_items(), max_size=3), junk=st.sampled_from(["", ",", "(", ")", ",,"]))
+def test_any_spec_builds_a_chain_or_raises_one_line_value_error(items, junk):
+    spec = ",".join(items) + junk
+    try:
+        chain = parse_passes(spec)
+    except ValueError as err:
+        assert str(err) and "\n" not in str(err), spec
+        return
+    assert chain is None or isinstance(chain, P.AdjointTransformation)
+
+
+_ARGS = st.one_of(st.none(), st.booleans(), st.integers(-3, 70), st.floats(allow_nan=True, allow_infinity=True),
+                  st.sampled_from(["e4m3", "e5m2", "current", "delayed", "zero", "raise", "bf16", "fp16", "int8", ""]),
+                  st.lists(st.integers(), max_size=2))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted({e.factory.__name__ for e in PASSES.values()})),
+       args=st.dictionaries(st.sampled_from(["max_norm", "ratio", "error_feedback", "std", "strength", "policy",
+                                             "format", "scaling", "history_len", "margin", "hidden_dim", "lr",
+                                             "warmup_steps", "use_synthetic", "dtype"]), _ARGS, max_size=3))
+def test_any_factory_arguments_build_a_pass_or_raise_a_named_error(name, args):
+    """Every factory refuses a bad hyper-parameter with a TypeError/ValueError naming it,
+    and whatever it accepts initialises on a small adjoint."""
+    import jax
+
+    factory = next(e.factory for e in PASSES.values() if e.factory.__name__ == name)
+    params = set(inspect.signature(factory).parameters)
+    args = {k: v for k, v in args.items() if k in params}
+    try:
+        pass_ = factory(**args)
+    except (TypeError, ValueError) as err:
+        assert str(err) and "\n" not in str(err), (name, args)
+        return
+    state = pass_.init(jax.ShapeDtypeStruct((2, 3), jax.numpy.float32), jax.random.key(0))
+    assert jax.tree_util.tree_structure(state) is not None
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=st.lists(st.sampled_from(["clip=0.5", "int8", "fp16", "bf16", "fp8(e5m2, delayed)", "decay=0.1",
+                                       "noise=0.01", "stats", "topk=0.5", "topk(0.5, false)", "guard=skip",
+                                       "synthetic(hidden_dim=2, use_synthetic=true)", "capture", "identity"]),
+                      min_size=1, max_size=4))
+def test_any_accepted_chain_runs_jitted_and_keeps_its_state_donatable(items):
+    import jax
+    import jax.numpy as jnp
+
+    from eae_jax.buffers import aliased_leaves
+
+    chain = parse_passes(",".join(items))
+    g = jax.random.normal(jax.random.key(0), (2, 3, 4))
+    state = chain.init(jax.ShapeDtypeStruct(g.shape, g.dtype), jax.random.key(1))
+    ctx = P.PassContext(jnp.int32(0), jnp.int32(0), jnp.int32(0), 2)
+    out, state = jax.jit(lambda a, s: chain.update(a, s, ctx), donate_argnums=(1,))(g, state)
+    assert out.shape == g.shape and aliased_leaves(state) == []

@@ -293,7 +293,7 @@ def test_passes_match_the_seed_within_1e6_on_multi_axis_adjoints(name, jit):
     update = (jax.jit if jit else (lambda f: f))(lambda a, st: p.update(a, st, _ctx()))  # one compile per shape
     worst = 0.0
     for shape in MULTI_AXIS:
-        for s in range(3):
+        for s in range(8):  # int8+clip of the multi-axis norm went past 1e-6 at seeds 3, 5 and 7
             g = _with_outliers(shape, s)
             state = p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), jax.random.key(0))
             out, state = update(jnp.asarray(g), state)

@@ -5,13 +5,22 @@ run, so ``eae_jax`` itself never imports torch (``parity`` needs the torch
 extra and lives in the top-level ``interop`` package). To add a subcommand,
 add an entry to `COMMANDS`: ``name -> (module, function, one-line help)``;
 the function takes the remaining argv list and returns an exit code.
+
+Exit codes, the same for every command: 0 success; 1 the command ran and
+found a failure (``train``: the run diverged; ``parity``: a row over
+tolerance); 2 the command could not run as asked: a bad argument, input
+or output path, unknown command, missing optional dependency (one line on
+stderr, no traceback); 3 an internal error, i.e. a bug (the traceback is
+printed). A command's ``--help`` lists its own.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
-from typing import Dict, Optional, Sequence, Tuple
+import traceback
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 #: name -> (module, function, help). The function gets the argv after the name.
 COMMANDS: Dict[str, Tuple[str, str, str]] = {
@@ -19,6 +28,40 @@ COMMANDS: Dict[str, Tuple[str, str, str]] = {
     "parity": ("interop.cli", "parity_main",
                "compare the JAX port with the torch reference (needs the torch extra: pip install 'eae-jax[torch]')"),
 }
+
+
+class UsageError(Exception):
+    """A bad command line: its one-line message is printed and the command exits 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise `UsageError` (one line: ``<prog>: error: <what>``)
+    instead of printing the usage and exiting, so `run_command` maps them to exit 2."""
+
+    def error(self, message):  # noqa: D102 - argparse's hook
+        raise UsageError(f"{self.prog}: error: {message} (see --help)")
+
+
+def run_command(prog: str, fn: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
+    """Run ``fn(argv)`` and return its exit code; `UsageError` -> 2 (its line on stderr),
+    ``--help`` -> 0, any other exception -> 3 (an internal error: the traceback, then a line
+    saying so). Commands turn the failures they expect into their codes themselves.
+
+    >>> run_command("demo", lambda argv: int(argv[0]), ["1"])
+    1
+    """
+    try:
+        return int(fn(argv) or 0)
+    except UsageError as err:
+        print(str(err).splitlines()[0] if str(err) else f"{prog}: error", file=sys.stderr)
+        return 2
+    except SystemExit as err:  # --help, --version
+        return err.code if isinstance(err.code, int) else (0 if err.code is None else 2)
+    except Exception:
+        traceback.print_exc()
+        print(f"{prog}: internal error (a bug, not a problem with the input: please report it with the "
+              "traceback above)", file=sys.stderr)
+        return 3
 
 
 def _usage() -> str:
@@ -33,7 +76,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``eae-jax <command> ...``; returns the process exit code.
 
     0: success; 1: the command ran and found a failure (e.g. parity over
-    tolerance); 2: usage error, unknown command or missing optional dependency.
+    tolerance); 2: usage error, bad input, unknown command or missing
+    optional dependency; 3: internal error (see the module doc).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -49,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError as err:
         print(f"eae-jax {name}: cannot import {module_name}: {err}", file=sys.stderr)
         return 2
-    return int(getattr(module, func_name)(rest) or 0)
+    return run_command(f"eae-jax {name}", getattr(module, func_name), rest)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -20,3 +20,48 @@ def new_file_mode(replacing: Optional[str] = None) -> int:
     umask = os.umask(0)
     os.umask(umask)
     return 0o666 & ~umask
+
+
+#: Magic numbers of the file kinds `sniff` names (checked in this order).
+_MAGIC = (
+    (b"\x93NUMPY", "npy"),
+    (b"PK\x03\x04", "zip archive (.npz, torch .pt)"),
+    (b"PK\x05\x06", "zip archive (.npz, torch .pt)"),
+    (b"\x1f\x8b\x08", "gzip"),
+    (b"ak42"[::-1], "llama2.c checkpoint"),  # the little-endian uint32 0x616B3432
+)
+
+
+def sniff(path: str) -> str:
+    """What kind of file ``path`` holds, from its content (never its name).
+
+    Returns ``'npy'``, ``'zip archive (.npz, torch .pt)'``, ``'gzip'``,
+    ``'llama2.c checkpoint'``, ``'safetensors'``, ``'pickle'`` or
+    ``'unknown'`` (no magic number: raw data such as a uint16 token shard).
+    A pickle is a protocol 2-5 header with the STOP opcode as last byte.
+
+    >>> import os, tempfile, numpy as np
+    >>> d = tempfile.mkdtemp()
+    >>> np.save(os.path.join(d, "t.BIN"), np.arange(3))
+    >>> sniff(os.path.join(d, "t.BIN.npy"))
+    'npy'
+    """
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(16)
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size:
+            f.seek(size - 1)
+        last = f.read(1)
+    for magic, kind in _MAGIC:
+        if head.startswith(magic):
+            return kind
+    if len(head) >= 10 and head[8:10] == b'{"':
+        (n,) = struct.unpack("<Q", head[:8])
+        if 0 < n <= size - 8:
+            return "safetensors"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") and last == b".":
+        return "pickle"
+    return "unknown"

@@ -33,7 +33,7 @@ from eae_jax.models import LMConfig
 from interop.errors import CorruptCheckpointError, InteropError, UnknownFormatError, UnsupportedConfigError
 from interop.imported import ImportedModel
 from interop.layout import HF_LM, lm_params_from_tensors, lm_tensors_from_params
-from interop.safe_load import (atomic_target, load_safetensors_file, load_torch_file, read_json,
+from interop.safe_load import (atomic_target, detect_format, load_safetensors_file, load_torch_file, read_json,
                                state_dict_to_numpy)
 from interop.tensors import numpy_to_torch, require_torch, resolve_dtype
 
@@ -47,6 +47,11 @@ def _rope(config: Mapping[str, Any]):
     """(theta, rope_type, extra keys) from either the v5 ``rope_parameters`` or the v4 fields."""
     params = config.get("rope_parameters")
     scaling = config.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, Mapping):
+            # transformers refuses these too (its config validation wants a dict of RoPE parameters)
+            raise UnsupportedConfigError(f"config {key} must be a dict of RoPE parameters or null, got "
+                                         f"{type(value).__name__} {value!r}")
     if isinstance(scaling, Mapping) and scaling and isinstance(params, Mapping) and params:
         # transformers 5 lets a (v4-style) rope_scaling override rope_parameters (``rope_scaling or
         # rope_parameters``); reading rope_parameters alone would silently drop the scaling.
@@ -228,6 +233,16 @@ def import_hf_model(model: Any, *, dtype: Any = None) -> ImportedModel:
                                 where=f"{type(model).__name__} state dict")
 
 
+def _load_weight_file(path: str) -> Dict[str, np.ndarray]:
+    """The tensors of one weights file, safetensors or torch pickle told apart by content (not the suffix)."""
+    fmt = detect_format(path)
+    if fmt == "safetensors":
+        return load_safetensors_file(path)
+    if fmt == "torch_pickle":
+        return state_dict_to_numpy(load_torch_file(path), path)
+    raise UnknownFormatError(f"{path}: a weights file must be safetensors or a torch pickle, found {fmt}")
+
+
 def _load_weights(directory: str) -> Dict[str, np.ndarray]:
     st, st_index = os.path.join(directory, SAFETENSORS_NAME), os.path.join(directory, SAFETENSORS_INDEX)
     pt, pt_index = os.path.join(directory, TORCH_NAME), os.path.join(directory, TORCH_INDEX)
@@ -247,8 +262,7 @@ def _load_weights(directory: str) -> Dict[str, np.ndarray]:
             shard_path = os.path.join(directory, shard)
             if not os.path.isfile(shard_path):
                 raise CorruptCheckpointError(f"{index_path} names shard {shard!r}, which is missing")
-            part = (load_safetensors_file(shard_path) if shard.endswith(".safetensors")
-                    else state_dict_to_numpy(load_torch_file(shard_path), shard_path))
+            part = _load_weight_file(shard_path)
             twice = sorted(k for k in part if k in out)
             if twice:
                 raise CorruptCheckpointError(
@@ -292,8 +306,7 @@ def load_hf(path: str, *, dtype: Any = None) -> ImportedModel:
         tensors = None
     elif os.path.isfile(path):
         directory = os.path.dirname(os.path.abspath(path))
-        tensors = (load_safetensors_file(path) if path.endswith(".safetensors")
-                   else state_dict_to_numpy(load_torch_file(path), path))
+        tensors = _load_weight_file(path)
     else:
         raise FileNotFoundError(f"no such checkpoint file or directory: {path}")
     config_path = os.path.join(directory, "config.json")

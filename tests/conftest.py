@@ -53,3 +53,53 @@ def load_experiment(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def fast_compiles():
+    """XLA without most optimizations, for tests that check that a run goes through (or
+    fails as it should), not its speed: compiles take about a third of the time."""
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", False)
+
+
+def quiet(*args, **kwargs):
+    """A log function that drops everything (``train(..., log_fn=quiet)``)."""
+
+
+#: The smallest training config the loop tests use: tiny preset, 2 x 8 tokens, a record per step.
+TINY_TRAIN = dict(preset="tiny", batch=2, seq_len=8, warmup=0, log_every=1)
+
+
+def hf_config_dict(**overrides) -> dict:
+    """A transformers-5 style LLaMA config.json dict (rope_parameters); no transformers needed."""
+    cfg = {"model_type": "llama", "vocab_size": 37, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
+           "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}, "attention_bias": False,
+           "mlp_bias": False, "head_dim": 8}
+    cfg.update(overrides)
+    return cfg
+
+
+def hf_params(cfg: dict):
+    """``(params, LMConfig)`` of random LM params for a config.json dict (needs interop's torch extra)."""
+    from eae_jax.models import init_lm
+    from interop.hf_llama import lm_config_from_hf
+
+    lm = lm_config_from_hf(cfg)
+    return init_lm(jax.random.key(0), lm), lm
+
+
+def small_llama2c_bytes(tmp_path, version: int, shared: bool = True) -> bytes:
+    """The bytes of a one-layer llama2.c export (``version`` 0 or 1) of random params."""
+    import interop
+    from eae_jax.blocks import BlockConfig
+    from eae_jax.models import LMConfig, init_lm
+
+    lm = LMConfig(11, 1, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=7), tie_embeddings=shared)
+    path = str(tmp_path / f"m{version}.bin")
+    interop.save_llama2c_bin(path, init_lm(jax.random.key(0), lm), lm, version=version)
+    with open(path, "rb") as f:
+        return f.read()

@@ -2,6 +2,7 @@
 
 import json
 import logging
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 
 import eae_jax
 from eae_jax import passes as P
-from eae_jax.events import Event, EventBus, EventType, attach_json_logging, boundary_states, emit_step_events
+from eae_jax.events import Event, EventBus, EventType, attach_json_logging, boundary_states, emit_step_events, summarize_state
 
 D, DEPTH = 8, 3
 
@@ -213,3 +214,28 @@ def test_json_logging_one_object_per_line(caplog):
     with caplog.at_level(logging.INFO, logger="eae_jax.events.test"):
         bus.emit("PassApplied", arr=np.arange(3))
     assert not caplog.records
+
+
+# ----------------------------------------------------------------------------- found by probing
+def test_adjoint_modified_only_where_statistics_ran():
+    """at_layers(statistics(), [-1]) reported zero statistics at every other boundary."""
+    stack = eae_jax.reconstruct(lambda w, x: x + jnp.tanh(x @ w),
+                                passes=P.chain(P.at_layers(P.statistics(), [-1]), P.clip_by_norm(10.0)))
+    params, x = jnp.stack([jnp.eye(3) * 0.1] * 4), jnp.ones((2, 3))
+    carry = stack.init(params, x, jax.random.key(0))
+    carry, stats = stack.update(carry, jax.grad(lambda c: jnp.sum(stack(params, x, c)))(carry))
+    events = emit_step_events(EventBus(), stack, stats, carry)
+    modified = [e for e in events if e.type == EventType.ADJOINT_MODIFIED]
+    assert [e.payload["layer_id"] for e in modified] == [4]
+    np.testing.assert_allclose(modified[0].payload["norm"], float(stats["adjoint_norm"][4]), rtol=1e-5)
+    applied = [e for e in events if e.type == EventType.PASS_APPLIED]
+    assert len(applied) == 2 * 5  # PassApplied still at every boundary, for both passes
+
+
+def test_summarize_state_keeps_bfloat16_fields():
+    class S(NamedTuple):
+        a: jax.Array
+        b: jax.Array
+
+    out = summarize_state(S(jnp.full((4,), 2.0, jnp.bfloat16), jnp.full((4,), 2.0, jnp.float16)))
+    assert out == {"a_norm": 4.0, "b_norm": 4.0}

@@ -1,12 +1,15 @@
 """Bad inputs give clear errors: unsafe pickles, truncated files, missing layers,
 wrong shapes, unknown formats, unsupported configurations."""
 
+import dataclasses
 import io
+import json
 import os
 import pickle
 import struct
 import zipfile
 
+import chex
 import numpy as np
 import pytest
 
@@ -23,7 +26,13 @@ from interop.errors import (  # noqa: E402
     UnsupportedConfigError,
 )
 
-STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K.bin")
+import jax  # noqa: E402
+
+from conftest import STORIES, hf_config_dict, hf_params, needs_stories, small_llama2c_bytes  # noqa: E402
+from eae_jax.blocks import BlockConfig  # noqa: E402
+from eae_jax.models import LMConfig, init_lm  # noqa: E402
+from interop.hf_llama import hf_state_dict, lm_config_from_hf  # noqa: E402
+from interop.llama2c import llama2c_state_dict  # noqa: E402
 
 
 class _CreatesFile:
@@ -134,7 +143,7 @@ def test_truncated_safetensors(tmp_path):
         interop.load_safetensors_file(path)
 
 
-@pytest.mark.skipif(not os.path.isfile(STORIES), reason=f"stories260K.bin not found at {STORIES}")
+@needs_stories
 def test_truncated_llama2c_bin(tmp_path):
     data = open(STORIES, "rb").read()
     cut = str(tmp_path / "cut.bin")
@@ -313,3 +322,180 @@ def test_export_refuses_conventions_the_target_cannot_express():
         interop.export_seed_blocks(params, cfg)
     with pytest.raises(ValueError, match="missing"):
         interop.seed_state_dict({"attn": params["attn"]}, cfg)
+
+
+# ----------------------------------------------------------------------------- found by probing: configs, headers, shards
+@pytest.mark.parametrize("scaling", ["linear", ["linear", 2.0], 2.0])
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_rope_settings_that_are_not_dicts_are_refused(key, scaling):
+    """rope_scaling given as a string or a list was accepted (transformers refuses both)."""
+    with pytest.raises(UnsupportedConfigError, match=f"config {key} must be a dict of RoPE parameters or null"):
+        lm_config_from_hf(hf_config_dict(**{key: scaling}))
+
+
+@pytest.mark.parametrize("name", ["model.SAFETENSORS", "weights.bin"])
+def test_weight_files_are_read_by_content_not_suffix(tmp_path, name):
+    """A safetensors file whose name does not end in '.safetensors' was read as a torch pickle."""
+    from safetensors.numpy import save_file
+
+    cfg = hf_config_dict()
+    params, lm = hf_params(cfg)
+    sd = {k: v.numpy() for k, v in hf_state_dict(params, lm).items()}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(sd, str(tmp_path / name))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: name for k in sd}}))
+    for source in (str(tmp_path), str(tmp_path / name)):
+        chex.assert_trees_all_equal(interop.load_hf(source).params, params)
+
+
+def _sharded(tmp_path, weight_map, shards):
+    from safetensors.numpy import save_file
+
+    cfg = hf_config_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for name, tensors in shards.items():
+        save_file(tensors, str(tmp_path / name))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"type": "dynamic", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+])
+def test_rope_scaling_next_to_rope_parameters_is_refused(scaling):
+    """transformers 5 applies ``rope_scaling or rope_parameters``; the scaling was silently dropped."""
+    with pytest.raises(UnsupportedConfigError, match="only unscaled RoPE"):
+        lm_config_from_hf(hf_config_dict(rope_scaling=scaling))
+
+
+@pytest.mark.parametrize("scaling", [None, {}, {"rope_type": "default"}])
+def test_unscaled_rope_scaling_keeps_rope_parameters_theta(scaling):
+    assert lm_config_from_hf(hf_config_dict(rope_scaling=scaling)).block.rope_theta == 500.0
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"hidden_size": 30, "head_dim": 8}, "not a multiple of num_attention_heads"),
+    ({"num_key_value_heads": 3}, "divisible by num_kv_heads"),
+    ({"hidden_size": 12, "head_dim": 3}, "even head_dim"),
+])
+def test_structural_hf_config_problems_are_unsupported(changes, match):
+    with pytest.raises(UnsupportedConfigError, match=match):
+        lm_config_from_hf(hf_config_dict(**changes))
+
+
+@pytest.mark.parametrize("bad_dtype", [torch.int32, torch.int64, torch.bool])
+@pytest.mark.parametrize("fmt", ["hf", "llama2c"])
+def test_non_float_weight_is_named(fmt, bad_dtype):
+    """An integer / bool tensor in a weight's place was imported as is."""
+    if fmt == "hf":
+        params, lm = hf_params(hf_config_dict())
+        sd = hf_state_dict(params, lm)
+        key = "model.layers.1.post_attention_layernorm.weight"
+    else:
+        lm = LMConfig(11, 2, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=8), tie_embeddings=True)
+        sd = llama2c_state_dict(init_lm(jax.random.key(0), lm), lm)
+        key = "norm.weight"
+    sd[key] = sd[key].to(bad_dtype)
+    with pytest.raises(CheckpointMismatchError, match=rf"{key}: dtype {str(bad_dtype).split('.')[1]}"):
+        if fmt == "hf":
+            interop.import_hf_state_dict(sd, hf_config_dict())
+        else:
+            interop.import_llama2c_checkpoint({"model_args": {"dim": 16, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                                                              "vocab_size": 11, "hidden_dim": 20, "max_seq_len": 8},
+                                               "model": sd}, dtype="float32")
+
+
+@pytest.mark.parametrize("cut", [20, 36, 255])
+def test_llama2c_v1_truncated_header(tmp_path, cut):
+    """A v1 file cut inside its header raised struct.error (not an interop error)."""
+    data = small_llama2c_bytes(tmp_path, 1)
+    path = tmp_path / "cut.bin"
+    path.write_bytes(data[:cut])
+    for load in (interop.load_checkpoint, interop.load_llama2c):
+        with pytest.raises(CorruptCheckpointError, match="header is truncated"):
+            load(str(path))
+
+
+@pytest.mark.parametrize("fields", [(0,) * 7, (16, 20, 1, 0, 0, 11, 7), (16, 20, 1, 4, 2, -11, 7)])
+def test_llama2c_v1_invalid_header(tmp_path, fields):
+    """A zero n_heads raised ZeroDivisionError."""
+    path = tmp_path / "bad.bin"
+    header = struct.pack("<Ii7iB", 0x616B3432, 1, *fields, 1)
+    path.write_bytes(header + b"\0" * (300 - len(header)))
+    with pytest.raises(CorruptCheckpointError, match="version-1 header is invalid"):
+        interop.load_checkpoint(str(path))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_llama2c_v0_trailing_bytes(tmp_path, shared):
+    """Was 'unknown checkpoint format'; now names the trailing bytes like v1 does."""
+    data = small_llama2c_bytes(tmp_path, 0, shared)
+    path = tmp_path / "trail.bin"
+    path.write_bytes(data + b"\0" * 8)
+    for load in (interop.load_checkpoint, interop.load_llama2c_bin):
+        with pytest.raises(CorruptCheckpointError, match="8 trailing bytes"):
+            load(str(path))
+
+
+def test_sharded_index_refuses_duplicates_and_escaping_names(tmp_path):
+    cfg = hf_config_dict()
+    params, lm = hf_params(cfg)
+    sd = {k: v.numpy() for k, v in hf_state_dict(params, lm).items()}
+    keys = sorted(sd)
+    a = {k: sd[k] for k in keys[: len(keys) // 2]}
+    b = {k: sd[k] for k in keys[len(keys) // 2 - 1:]}  # one tensor in both shards
+    wm = {**{k: "a.safetensors" for k in a}, **{k: "b.safetensors" for k in b}}
+    (tmp_path / "dup").mkdir()
+    d = _sharded(tmp_path / "dup", wm, {"a.safetensors": a, "b.safetensors": b})
+    with pytest.raises(CorruptCheckpointError, match="are in both 'a.safetensors' and 'b.safetensors'"):
+        interop.load_hf(d)
+    (tmp_path / "esc").mkdir()
+    with pytest.raises(CorruptCheckpointError, match="is not a file inside"):
+        interop.load_hf(_sharded(tmp_path / "esc", {keys[0]: "../a.safetensors"}, {}))
+
+
+def test_swish_activation_is_silu():
+    assert lm_config_from_hf(hf_config_dict(hidden_act="swish")) == lm_config_from_hf(hf_config_dict())
+    with pytest.raises(UnsupportedConfigError, match="hidden_act 'gelu'"):
+        lm_config_from_hf(hf_config_dict(hidden_act="gelu"))
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_torch_pickles_are_still_detected(tmp_path, zip_format):
+    path = str(tmp_path / "sd.pt")
+    torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=zip_format)
+    assert interop.detect_format(path) == "torch_pickle"
+
+
+def test_seed_state_dict_import_refuses_half_rope():
+    """The seed block rotates interleaved pairs; a state dict imported under
+    rope_style='half' silently became another model."""
+    from eae_runtime.contrib import PreNormTransformerBlock
+
+    blocks = torch.nn.ModuleList([PreNormTransformerBlock(16, 4, num_kv_heads=2, max_seq_len=8, ffn_hidden_dim=24)])
+    cfg = dataclasses.replace(interop.import_seed_blocks(blocks).config, rope_style="half")
+    with pytest.raises(UnsupportedConfigError, match="rope_style='half'"):
+        interop.import_seed_blocks(blocks.state_dict(), cfg)
+    ok = interop.import_seed_blocks(blocks.state_dict(), dataclasses.replace(cfg, rope_style="interleaved"))
+    assert ok.config.rope_style == "interleaved"
+
+
+def test_float64_checkpoint_error_is_an_interop_error_and_parity_converts(tmp_path):
+    """float64 weights raised a bare TypeError, which the parity CLI did not
+    catch (a traceback and exit 1, the code for 'over tolerance')."""
+    from interop.parity import checkpoint_case
+
+    lm = LMConfig(11, 1, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=8), tie_embeddings=True)
+    sd = {k: v.double() for k, v in llama2c_state_dict(init_lm(jax.random.key(0), lm), lm).items()}
+    ckpt = {"model_args": {"dim": 16, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 11,
+                           "hidden_dim": 20, "max_seq_len": 8}, "model": sd}
+    with pytest.raises(interop.Float64CheckpointError, match="float64") as info:
+        interop.import_llama2c_checkpoint(ckpt)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)
+    path = str(tmp_path / "f64.pt")
+    torch.save(ckpt, path)
+    case = checkpoint_case(path, dtype="float32", batch=1, seq=4)
+    assert all(np.asarray(leaf).dtype == np.float32 for leaf in jax.tree_util.tree_leaves(case.jax_params))

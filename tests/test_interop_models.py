@@ -1,7 +1,6 @@
 """Whole language models: a transformers LlamaForCausalLM (half-split RoPE) and the real
 stories260K llama2.c checkpoint, against their torch references."""
 
-import os
 
 import numpy as np
 import pytest
@@ -15,9 +14,7 @@ import interop  # noqa: E402
 from eae_jax.models import lm_apply  # noqa: E402
 from interop.parity import checkpoint_case, compare, hf_lm_case, run_parity, seed_lm_case  # noqa: E402
 
-STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K.bin")
-needs_stories = pytest.mark.skipif(not os.path.isfile(STORIES),
-                                   reason=f"stories260K.bin not found at {STORIES} (see /work/shared/models/README.md)")
+from conftest import STORIES, needs_stories  # noqa: E402
 
 
 def random_llama(tie, kv=2, layers=3, theta=500.0, seed=0):

@@ -3,6 +3,7 @@
 import json
 import os
 
+import chex
 import numpy as np
 import pytest
 
@@ -17,7 +18,12 @@ import interop  # noqa: E402
 from eae_jax.blocks import decoder_block, plain_stack  # noqa: E402
 from eae_jax.models import check_lm_params, lm_apply  # noqa: E402
 
-STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K.bin")
+from conftest import STORIES, hf_config_dict, hf_params, needs_stories, small_llama2c_bytes  # noqa: E402
+from eae_jax.blocks import BlockConfig  # noqa: E402
+from eae_jax.models import LMConfig, init_lm  # noqa: E402
+from interop.hf_llama import hf_config_from_lm, hf_state_dict, lm_config_from_hf  # noqa: E402
+from interop.llama2c import llama2c_state_dict  # noqa: E402
+from interop.torch_blocks import infer_rope_theta  # noqa: E402
 
 
 def assert_bit_equal_state_dicts(a, b):
@@ -260,7 +266,7 @@ def test_llama2c_bin_roundtrip_synthetic(tmp_path, tie, version):
     assert open(a, "rb").read() == open(b, "rb").read()
 
 
-@pytest.mark.skipif(not os.path.isfile(STORIES), reason=f"stories260K.bin not found at {STORIES}")
+@needs_stories
 def test_stories260k_bin_roundtrip_is_byte_exact(tmp_path):
     imported = interop.load_checkpoint(STORIES)
     cfg = imported.config
@@ -278,3 +284,155 @@ def test_stories260k_bin_roundtrip_is_byte_exact(tmp_path):
     again = interop.load_checkpoint(pt)
     for x, y in zip(jax.tree_util.tree_leaves(imported.params), jax.tree_util.tree_leaves(again.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ----------------------------------------------------------------------------- found by probing: RoPE bases, arrays, exports
+@pytest.mark.parametrize("head_dim,seq,theta,dtype", [
+    (32, 128, 10000.0, torch.bfloat16),   # was refused ("not the standard tables of any base near 10739")
+    (16, 64, 10000.0, torch.bfloat16),    # was read as 10011
+    (64, 4096, 1e6, torch.bfloat16),      # was refused
+    (8, 4096, 1234.5, torch.float32),     # non-integer base, long table: was refused
+    (8, 4096, 1234.5, torch.bfloat16),
+])
+def test_rope_theta_recovered_from_low_precision_and_long_tables(head_dim, seq, theta, dtype):
+    from eae_runtime.contrib import RotaryPositionalEmbedding
+
+    rope = RotaryPositionalEmbedding(head_dim, seq, base=theta)
+    assert infer_rope_theta(rope.cos_cached.to(dtype), rope.sin_cached.to(dtype), head_dim) == theta
+
+
+def test_bf16_reference_blocks_import_with_their_rope_base():
+    from eae_runtime.contrib import PreNormTransformerBlock
+
+    blocks = torch.nn.ModuleList([PreNormTransformerBlock(64, 2, num_kv_heads=1, max_seq_len=128, ffn_hidden_dim=48)
+                                  for _ in range(2)]).to(torch.bfloat16)
+    cfg = interop.import_seed_blocks(blocks).config
+    assert cfg.rope_theta == 10000.0 and cfg.head_dim == 32
+
+
+@pytest.mark.parametrize("theta", [500000.0, 1234.5])
+def test_one_row_rope_table_imports(theta):
+    """max_seq_len=1: only position 0 exists, every base gives the same tables (was refused)."""
+    from eae_runtime.contrib import PreNormTransformerBlock, RotaryPositionalEmbedding
+
+    block = PreNormTransformerBlock(16, 2, max_seq_len=1, ffn_hidden_dim=24)
+    block.attn.rope = RotaryPositionalEmbedding(8, 1, base=theta)
+    imported = interop.import_seed_blocks(torch.nn.ModuleList([block]))
+    back = interop.export_seed_blocks(imported.params, imported.config)
+    assert torch.equal(back[0].attn.rope.cos_cached, block.attn.rope.cos_cached)
+    assert torch.equal(back[0].attn.rope.sin_cached, block.attn.rope.sin_cached)
+
+
+def test_hf_config_base_without_rope_base_records_it():
+    params, lm = hf_params(hf_config_dict())
+    out = hf_config_from_lm(lm, {"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    assert lm_config_from_hf(out).block.rope_theta == 500.0
+
+
+@pytest.mark.parametrize("kind", ["numpy+torch", "jax"])
+def test_hf_state_dict_of_arrays_imports_bit_exact(kind):
+    """Only all-numpy or all-torch state dicts were accepted; JAX arrays were 'not tensors'."""
+    params, lm = hf_params(hf_config_dict())
+    sd = hf_state_dict(params, lm)
+    if kind == "jax":
+        sd = {k: jnp.asarray(v.numpy()) for k, v in sd.items()}
+    else:
+        sd = {k: (v.numpy() if i % 2 else v) for i, (k, v) in enumerate(sd.items())}
+    got = interop.import_hf_state_dict(sd, hf_config_dict()).params
+    chex.assert_trees_all_equal_dtypes(params, got)
+    chex.assert_trees_all_equal(params, got)
+
+
+@pytest.mark.parametrize("version", [0, 1])
+def test_failed_llama2c_export_keeps_the_earlier_file(tmp_path, version):
+    """A shape error halfway used to leave a partial .bin under the real name."""
+    good = small_llama2c_bytes(tmp_path, version)
+    lm = LMConfig(11, 1, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=7), tie_embeddings=True)
+    path = tmp_path / f"m{version}.bin"
+    bad_tables = (np.zeros((3, 2), np.float32), np.zeros((3, 2), np.float32))
+    with pytest.raises(ValueError, match="nothing written"):
+        interop.save_llama2c_bin(str(path), init_lm(jax.random.key(1), lm), lm, version=0, rope_tables=bad_tables)
+    assert path.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temporary left behind
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_hf_export_replaces_files_whole(tmp_path, weights):
+    cfg = hf_config_dict()
+    params, lm = hf_params(cfg)
+    interop.save_hf(str(tmp_path), params, lm, weights=weights, base_config=cfg)
+    interop.save_hf(str(tmp_path), params, lm, weights=weights, base_config=cfg)  # over an earlier export
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    back = interop.load_hf(str(tmp_path))
+    chex.assert_trees_all_equal(back.params, params)
+
+
+@pytest.mark.parametrize("dim,heads", [(128, 4), (640, 5)])
+def test_llama2c_v0_dim_whose_first_byte_is_a_pickle_opcode(tmp_path, dim, heads):
+    """dim 128 + 256k starts the file with 0x80 (640 with 0x80 0x02, a protocol-2
+    pickle's first bytes): the library's own v0 export was read as a damaged pickle."""
+    lm = LMConfig(13, 1, BlockConfig(dim, heads, 1, 24, norm_eps=1e-5, max_seq_len=4), tie_embeddings=True)
+    params = init_lm(jax.random.key(0), lm)
+    path = str(tmp_path / "m.bin")
+    interop.save_llama2c_bin(path, params, lm, version=0)
+    assert open(path, "rb").read(1) == b"\x80"
+    assert interop.detect_format(path) == "llama2c_bin_v0"
+    back = interop.load_checkpoint(path)
+    chex.assert_trees_all_equal(params, back.params)
+
+
+@pytest.mark.parametrize("earlier", ["model.safetensors", "model.safetensors.index.json",
+                                     "pytorch_model.bin.index.json"])
+def test_hf_bin_export_refuses_files_that_would_shadow_it(tmp_path, earlier):
+    """Loaders read model.safetensors and the indexes before pytorch_model.bin:
+    a 'bin' export beside them silently reloaded the earlier weights."""
+    cfg = hf_config_dict()
+    params, lm = hf_params(cfg)
+    (tmp_path / earlier).write_bytes(b"earlier")
+    with pytest.raises(interop.InteropError, match=f"already holds.*{earlier}.*shadowed"):
+        interop.save_hf(str(tmp_path), params, lm, weights="bin", base_config=cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [earlier]  # nothing written, nothing removed
+    assert (tmp_path / earlier).read_bytes() == b"earlier"
+
+
+def test_hf_safetensors_export_over_a_bin_export_reloads_the_new_weights(tmp_path):
+    cfg = hf_config_dict()
+    params, lm = hf_params(cfg)
+    other = jax.tree_util.tree_map(lambda a: a + 1, params)
+    interop.save_hf(str(tmp_path), params, lm, weights="bin", base_config=cfg)
+    interop.save_hf(str(tmp_path), other, lm, weights="safetensors", base_config=cfg)
+    back = interop.load_hf(str(tmp_path)).params
+    chex.assert_trees_all_equal(other, back)
+
+
+def test_tied_head_stored_in_fortran_order_is_recognised():
+    """A tied head held as a transposed-back (Fortran-ordered) copy raised
+    numpy's 'last axis must be contiguous' instead of importing."""
+    lm = LMConfig(11, 1, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=8), tie_embeddings=True)
+    sd = {k: v.numpy() for k, v in llama2c_state_dict(init_lm(jax.random.key(0), lm), lm).items()}
+    sd["output.weight"] = np.asfortranarray(sd["tok_embeddings.weight"])
+    args = {"dim": 16, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 11, "hidden_dim": 20,
+            "max_seq_len": 8}
+    assert interop.import_llama2c_checkpoint({"model_args": args, "model": sd}).config.tie_embeddings
+    hf_cfg = hf_config_dict(tie_word_embeddings=True)
+    params, hf_lm = hf_params(hf_cfg)
+    hsd = {k: v.numpy() for k, v in hf_state_dict(params, hf_lm).items()}
+    hsd["lm_head.weight"] = np.asfortranarray(hsd["model.embed_tokens.weight"])
+    assert interop.import_hf_state_dict(hsd, hf_cfg).config.tie_embeddings
+
+
+def test_exports_get_the_usual_file_mode(tmp_path):
+    """Atomic writes went through mkstemp and left every export 0600."""
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        lm = LMConfig(11, 1, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=8), tie_embeddings=True)
+        path = tmp_path / "m.bin"
+        interop.save_llama2c_bin(str(path), init_lm(jax.random.key(0), lm), lm)
+        assert path.stat().st_mode & 0o777 == 0o644
+        path.chmod(0o640)  # a replaced file keeps its mode
+        interop.save_llama2c_bin(str(path), init_lm(jax.random.key(1), lm), lm)
+        assert path.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(umask)

@@ -1,8 +1,10 @@
 """Built-in adjoint passes: numerics against numpy/ml_dtypes references, state threading
 through a jitted train step, chain/at_layers/optax composition, error paths."""
 
+import inspect
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -13,6 +15,7 @@ import pytest
 import eae_jax
 from eae_jax import passes as P
 from eae_jax.passes.base import PassContext
+from conftest import needs_gpu
 
 D, DEPTH = 8, 3
 NUM_B = DEPTH + 1  # boundaries x0..xL
@@ -794,15 +797,8 @@ def test_carry_without_backward_raises_when_strict():
 
 
 # ----------------------------------------------------------------------------- GPU
-def _has_gpu():
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+@needs_gpu[0]
+@needs_gpu[1]
 def test_casts_really_round_on_gpu():
     """On GPU XLA allows excess precision and may drop down-then-up casts; ours must not."""
     g = np.random.default_rng(8).standard_normal((64, 256)).astype(np.float32)
@@ -878,3 +874,86 @@ def test_empty_adjoint_passes_through_under_jit(shape, dtype):
     assert out.shape == shape and out.dtype == jnp.dtype(dtype)
     assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree_util.tree_leaves(s)
                if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
+# ----------------------------------------------------------------------------- donation: no aliased state
+from eae_jax.buffers import aliased_leaves, unalias  # noqa: E402
+from eae_jax.passes.spec import PASSES  # noqa: E402
+
+#: A value for every required hyper-parameter of the table's passes (a new one fails the test below).
+REQUIRED_EXAMPLES = {"dtype": "bf16", "strength": 0.1, "std": 0.01, "ratio": 0.5}
+
+
+def _every_pass():
+    """Every pass of the library: each entry of the parsing table (its factory with defaults
+    and the examples above), the combinators around one, and an optax transform."""
+    out = {}
+    for name, entry in PASSES.items():
+        if name != entry.factory.__name__ and not entry.fixed:
+            continue  # a short alias of a factory already in
+        kwargs = {p.name: REQUIRED_EXAMPLES[p.name] for p in entry.params if p.default is inspect.Parameter.empty}
+        out[name] = entry.build([], {k: str(v) for k, v in kwargs.items()}, name)
+    out["at_layers"] = P.at_layers(P.statistics(), [0, -1])
+    out["every_n_steps"] = P.every_n_steps(P.statistics(), 2)
+    out["from_optax"] = P.from_optax(optax.chain(optax.add_noise(0.1, 0.5, 0), optax.scale_by_adam()))
+    out["chain_of_all"] = P.chain(*(p for n, p in out.items() if n != "noise"))
+    return out
+
+
+def test_the_table_holds_every_builtin_pass():
+    """Every pass factory the package exports is in the parsing table (combinators and
+    helpers, which take passes or are not passes, aside)."""
+    not_factories = {"as_pass", "at_layers", "chain", "every_n_steps", "from_optax", "stateless", "fp8_format_max",
+                     "init_predictor", "predictor_apply"}
+    exported = {n for n in P.__all__ if n[0].islower()} - not_factories
+    assert exported == {e.factory.__name__ for e in PASSES.values()}
+
+
+@pytest.mark.parametrize("name", list(_every_pass()))
+def test_pass_state_has_no_aliased_buffers_and_can_be_donated(name):
+    """statistics' state reused one zero array for five fields: a donated carry
+    ('Attempt to donate the same buffer twice') crashed `eae-jax train --passes stats`."""
+    pass_ = _every_pass()[name]
+    g = jax.random.normal(jax.random.key(1), (2, 3, 8))
+    state = pass_.init(jax.ShapeDtypeStruct(g.shape, g.dtype), jax.random.key(0))
+    assert aliased_leaves(state) == []
+    update = jax.jit(lambda a, s, step: pass_.update(a, s, PassContext(jnp.int32(0), jnp.int32(0), step, 4)),
+                     donate_argnums=(1,))
+    for step in range(3):  # the initial state, then states the jitted update returned
+        out, state = update(g, state, jnp.int32(step))
+        assert out.shape == g.shape and aliased_leaves(state) == []
+
+
+def test_unalias_copies_only_shared_buffers():
+    z, w = jnp.zeros(3), jnp.ones(2)
+    tree = {"a": z, "b": (z, w), "c": w, "d": 1.0}
+    assert aliased_leaves(tree) == ["['b'][0]", "['c']"]
+    fresh = unalias(tree)
+    assert aliased_leaves(fresh) == [] and fresh["a"] is z and fresh["b"][1] is w and fresh["d"] == 1.0
+    chex.assert_trees_all_equal(fresh, tree)
+    jax.jit(lambda t: jax.tree_util.tree_map(lambda x: x + 1, t), donate_argnums=0)(fresh)  # donation works
+
+
+def test_from_optax_unaliases_an_optax_state():
+    z = jnp.zeros(())
+    tx = optax.GradientTransformation(lambda p: (z, z), lambda u, s, p=None: (u, s))
+    state = P.from_optax(tx).init(jax.ShapeDtypeStruct((3,), jnp.float32), None)
+    assert aliased_leaves(state) == []
+
+
+# ----------------------------------------------------------------------------- a pass's state keeps its dtype
+def test_pass_changing_its_state_dtype_is_refused():
+    """An int32 counter updated with + 1.0 was stored as float bits and read
+    back as 1065353216."""
+    def init(spec, key):
+        return jnp.zeros((), jnp.int32)
+
+    def update(g, count, ctx):
+        return g, count + 1.0
+
+    stack = eae_jax.reconstruct(lambda w, x: x + jnp.tanh(x @ w),
+                                passes=P.AdjointTransformation(init, update, "counter"))
+    params, x = jnp.stack([jnp.eye(3) * 0.1] * 3), jnp.ones((2, 3))
+    carry = stack.init(params, x, jax.random.key(0))
+    with pytest.raises(ValueError, match="changed dtype from int32 to float32"):
+        jax.grad(lambda c: jnp.sum(stack(params, x, c)))(carry)

@@ -157,7 +157,10 @@ def from_optax(tx: Any, name: str | None = None) -> AdjointTransformation:
 
     def init(spec, key):
         del key
-        return tx.init(jnp.zeros(spec.shape, spec.dtype))
+        from eae_jax.buffers import unalias
+
+        # An optax state may reuse one array for several fields; a donated carry cannot hold that.
+        return unalias(tx.init(jnp.zeros(spec.shape, spec.dtype)))
 
     def update(adjoint, state, ctx):
         del ctx

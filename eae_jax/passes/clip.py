@@ -28,7 +28,7 @@ def _scaled_norm(adjoint, norm):
     whose plain float32 norm overflowed; ``norm`` when ``g`` has a NaN/Inf."""
     w = adjoint.astype(jnp.promote_types(adjoint.dtype, jnp.float32))
     m = abs_max(w)  # traced under the cond even for an empty adjoint (never taken: norm 0)
-    scaled = (m * jnp.sqrt(jnp.sum(jnp.square(w / m)))).astype(jnp.float32)
+    scaled = (m * norm_f32(w / m)).astype(jnp.float32)
     return jnp.where(jnp.all(jnp.isfinite(w)), scaled, norm)
 
 

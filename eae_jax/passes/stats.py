@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eae_jax.passes._util import require_float_spec
+from eae_jax.passes._util import flat_f32, require_float_spec
 from eae_jax.passes.base import AdjointTransformation
 
 _INT32_MAX = 2**31 - 1
@@ -36,11 +36,14 @@ class StatsState(NamedTuple):
 
 
 def _moments(t: jax.Array):
-    """``(mean, population std, Euclidean norm)`` of float32 ``t``."""
-    mean = jnp.mean(t)
+    """``(mean, population std, Euclidean norm)`` of ``t`` in float32, every
+    sum over the flattened entries (`flat_f32`: as accurate on any shape)."""
+    v = flat_f32(t)
+    n = jnp.float32(v.size)
+    mean = jnp.sum(v) / n
     # Two-pass population variance: stabler than E[x^2] - E[x]^2.
-    std = jnp.sqrt(jnp.mean(jnp.square(t - mean)))
-    return mean, std, jnp.sqrt(jnp.sum(t * t))
+    std = jnp.sqrt(jnp.sum(jnp.square(v - mean)) / n)
+    return mean, std, jnp.sqrt(jnp.sum(v * v))
 
 
 def _scaled_moments(t: jax.Array, moments):
@@ -53,10 +56,13 @@ def _scaled_moments(t: jax.Array, moments):
 
 
 def _zero_stats() -> StatsState:
-    """All statistics 0/False, ``numel`` 0: the initial state, and that of an empty adjoint."""
-    zero = jnp.zeros((), jnp.float32)
-    false = jnp.zeros((), jnp.bool_)
-    return StatsState(zero, zero, zero, zero, zero, jnp.zeros((), jnp.int32), false, false)
+    """All statistics 0/False, ``numel`` 0: the initial state, and that of an empty adjoint.
+
+    Every field is its own array: a state whose fields share one buffer
+    cannot be donated (``jit(..., donate_argnums=...)`` refuses to donate
+    a buffer twice), and training donates its state.
+    """
+    return StatsState(*(jnp.zeros((), dtype) for dtype in (jnp.float32,) * 5 + (jnp.int32, jnp.bool_, jnp.bool_)))
 
 
 def statistics() -> AdjointTransformation:

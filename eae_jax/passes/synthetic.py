@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from eae_jax.passes._util import require_float_spec, require_int, require_number
+from eae_jax.passes._util import require_float_spec, require_int, require_number, sum_f32
 from eae_jax.passes.base import AdjointTransformation
 
 _HI = jax.lax.Precision.HIGHEST  # the predictor is tiny; keep fp32 matmuls exact-ish on every backend
@@ -148,7 +148,8 @@ def synthetic_gradient(hidden_dim: int = 64, lr: float = 1e-3, warmup_steps: int
     opt = optax.adam(lr)
 
     def loss_fn(params, flat):
-        return jnp.mean(jnp.square(predictor_apply(params, flat) - flat))
+        # mse over the flattened errors (sum_f32): a 2-D mean loses precision on CPU
+        return sum_f32(jnp.square(predictor_apply(params, flat) - flat)) / flat.size
 
     def init(spec, key):
         require_float_spec(name, spec)

@@ -142,18 +142,80 @@ def latest(directory: str) -> Optional[str]:
     return found[-1] if found else None
 
 
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint file cannot be read at all (not an archive, damaged, truncated)."""
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def load(path: str) -> tuple:
+    """Every array of a checkpoint and its metadata: ``(arrays, metadata)``.
+
+    The file is identified by content (a zip archive, as ``np.savez``
+    writes), and every entry is read, so a damaged one is found here.
+
+    Raises:
+      UnreadableCheckpointError: not an archive, damaged or truncated (the
+        message says which; never numpy's pickle advice: checkpoints hold
+        no pickles and are never loaded with ``allow_pickle``).
+      CheckpointError: a bad metadata entry.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as err:
+        raise UnreadableCheckpointError(f"cannot read checkpoint {path}: {err.strerror or err}") from err
+    if head != _ZIP_MAGIC:
+        what = "is empty" if not head else f"starts with bytes {head.hex(' ')}"
+        raise UnreadableCheckpointError(f"checkpoint {path} is not a checkpoint archive (it {what}; "
+                                        "a checkpoint is a zip archive written by np.savez)")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            stored = {k: data[k] for k in data.files}
+    except Exception as err:  # zipfile.BadZipFile, EOFError, a CRC mismatch, object arrays ...
+        detail = str(err)
+        if "allow_pickle" in detail or "pickle" in detail.lower():
+            detail = "an entry is a pickled object array, which no checkpoint holds"
+        raise UnreadableCheckpointError(f"cannot read checkpoint {path}: it is damaged ({type(err).__name__}: "
+                                        f"{detail})") from None
+    meta = _decode_metadata(path, stored.pop(_META_KEY, np.zeros(0, np.uint8)))
+    return stored, meta
+
+
 def read_metadata(path: str) -> dict:
-    """The metadata dict of a checkpoint (reads only that entry).
+    """The metadata dict of a checkpoint (the whole file is read: see `load`).
 
     Raises:
       CheckpointError: unreadable file or metadata entry.
     """
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            raw = data[_META_KEY] if _META_KEY in data.files else np.zeros(0, np.uint8)
-    except Exception as err:
-        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from err
-    return _decode_metadata(path, raw)
+    return load(path)[1]
+
+
+def set_aside(path: str) -> str:
+    """Rename an unreadable checkpoint to ``<path>.unreadable`` (``.unreadable.1`` ... when
+    taken) and return the new path: kept for inspection, never resumed, pruned or overwritten."""
+    target, n = f"{path}.unreadable", 0
+    while os.path.exists(target):
+        n += 1
+        target = f"{path}.unreadable.{n}"
+    os.rename(path, target)
+    return target
+
+
+def newest_readable(directory: str) -> tuple:
+    """``(path, arrays, metadata, unreadable)`` of the newest checkpoint of ``directory``
+    that `load` reads; ``unreadable`` lists ``(path, error)`` of the newer ones it skipped.
+    ``path`` is None when there is none (``unreadable`` then lists every checkpoint)."""
+    unreadable = []
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            arrays, meta = load(path)
+        except UnreadableCheckpointError as err:
+            unreadable.append((path, err))
+            continue
+        return path, arrays, meta, unreadable
+    return None, None, None, unreadable
 
 
 def _decode_metadata(path: str, raw: np.ndarray) -> dict:
@@ -167,10 +229,7 @@ def _decode_metadata(path: str, raw: np.ndarray) -> dict:
 
 
 def restore(path: str, template: Any) -> tuple:
-    """Read a checkpoint into the structure of ``template``.
-
-    Every leaf of ``template`` must be present with the same shape; dtypes
-    are converted to the template's (typed keys rebuilt with its impl).
+    """Read a checkpoint into the structure of ``template`` (`load`, then `fit`).
 
     Returns:
       ``(tree, metadata)``.
@@ -179,12 +238,20 @@ def restore(path: str, template: Any) -> tuple:
       CheckpointError: unreadable/truncated file, or missing, unexpected or
         mis-shaped entries (all listed in one message).
     """
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            stored = {k: data[k] for k in data.files}
-    except Exception as err:
-        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from err
-    meta = _decode_metadata(path, stored.pop(_META_KEY, np.zeros(0, np.uint8)))
+    arrays, meta = load(path)
+    return fit(path, arrays, template), meta
+
+
+def fit(path: str, stored: dict, template: Any) -> Any:
+    """Arrays of a loaded checkpoint (`load`) in the structure of ``template``.
+
+    Every leaf of ``template`` must be present with the same shape; dtypes
+    are converted to the template's (typed keys rebuilt with its impl).
+
+    Raises:
+      CheckpointError: missing, unexpected or mis-shaped entries (all
+        listed in one message naming ``path``).
+    """
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
     problems, leaves = [], []
     expected_names = set()
@@ -209,4 +276,4 @@ def restore(path: str, template: Any) -> tuple:
     problems += [f"unexpected {n}" for n in sorted(set(stored) - expected_names)]
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit the training state:\n  " + "\n  ".join(problems))
-    return jax.tree_util.tree_unflatten(treedef, leaves), meta
+    return jax.tree_util.tree_unflatten(treedef, leaves)

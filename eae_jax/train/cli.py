@@ -1,4 +1,14 @@
-"""``eae-jax train``: argument parsing for `eae_jax.train.train`."""
+"""``eae-jax train``: argument parsing for `eae_jax.train.train`.
+
+Exit codes: 0 the run finished (the summary is printed as JSON); 1 the run
+diverged (a non-finite loss, state or adjoint; the last good checkpoint is
+kept); 2 it could not run as asked: a bad argument (every one is checked
+before a model is built), token file, output directory, a run directory
+locked by another live run, checkpoints that do not continue this run or
+none readable, fp8 seams refused, or a write that failed mid-run (disk
+full: the message names the step and the file); one line on stderr, no
+traceback. 3: an internal error (a bug; the traceback is printed).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +17,16 @@ import dataclasses
 import json
 import sys
 
+from eae_jax.cli import OneLineParser, run_command
 from eae_jax.train.config import PRESETS, TrainConfig
+
+EXIT_CODES = """exit codes:
+  0  the run finished; the summary is printed as JSON
+  1  the run diverged (non-finite loss, state or adjoint); the last good checkpoint is kept
+  2  bad argument, token file or output directory; run directory locked by another run;
+     checkpoints that do not continue this run (or none readable); fp8 seams refused;
+     a write failed mid-run (the message names the step and the file)
+  3  internal error (a bug: the traceback is printed)"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,16 +44,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fp8_weight_scaling": "e4m3 scales of the fp8 seams' weights: delayed (default; one per weight from the "
                               "previous step's amax: no reduction before the quantization) | channel (one per "
                               "output channel, the most accurate) | tensor (one per weight from its current amax)",
-        "passes": "adjoint pass chain, e.g. 'int8,clip=1.0' (see eae_jax.train.config.parse_passes)",
+        "passes": "adjoint pass chain, e.g. 'int8,clip=1.0' or 'topk(0.9, error_feedback=false),stats': "
+                  "every pass below, by name, with its hyper-parameters",
         "policy": "reconstruct policy: boundaries | dots | dots_all | everything",
-        "data": "token file (.npy or uint16 .bin); default: a learnable synthetic task",
+        "data": "token file: a .npy array or raw uint16 ids (told apart by content); default: a learnable "
+                "synthetic task",
         "grad_accum_dtype": "dtype gradients are accumulated in across microbatches (fp32 | bf16)",
         "devices": "number of devices for data parallelism (default: all)",
         "grad_clip": "global-norm gradient clipping (0: none)",
         "keep": "how many newest checkpoints to keep (0: all)",
-        "resume": "resume from the newest checkpoint in <out>/checkpoints (--no-resume refuses an <out> that has "
+        "resume": "resume from the newest readable checkpoint in <out>/checkpoints (a newer unreadable one is "
+                  "moved aside to <name>.unreadable, never deleted; --no-resume refuses an <out> that has "
                   "checkpoints rather than mixing two runs there)",
-        "out": "run directory: <out>/checkpoints and <out>/log.jsonl",
+        "out": "run directory: <out>/checkpoints and <out>/log.jsonl; locked while a run writes there",
+        "seed": "seed of params, adjoint-pass state and data order, in [0, 2**63)",
     }
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -43,22 +66,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text.get(field.name))
             continue
-        kind = {int: int, float: float}.get(type(default), str)
-        if field.name in ("batch", "seq_len", "devices"):
-            kind = int
-        if field.name == "grad_clip":
-            kind = float
+        kind = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(field.type, str)
         parser.add_argument(flag, type=kind, default=default, help=help_text.get(field.name))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``eae-jax train`` parser; its help ends with the passes and the exit codes."""
+    from eae_jax.passes.spec import describe
+
+    parser = OneLineParser(prog="eae-jax train", description="Train a LLaMA-style LM with eae_jax.",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="passes (--passes NAME, NAME=VALUE or NAME(VALUE, KEY=VALUE, ...); "
+                                  "types and defaults):\n" + describe() + "\n\n" + EXIT_CODES)
+    add_arguments(parser)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Build the TrainConfig from parsed args, train, print the summary as JSON.
 
-    Returns 0; 2 for a bad argument, input file, output directory,
-    checkpoint or refused fp8 seams (the message on stderr, no traceback); 1 when the run
-    diverged (non-finite loss; the last good checkpoint is kept).
+    Returns the exit code (see the module doc); the message of a failure is
+    one line on stderr.
     """
     from eae_jax.fp8 import GateRefused, GuardRefused
+    from eae_jax.train.lock import RunLockedError
     from eae_jax.train.loop import train
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
@@ -67,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     except FloatingPointError as err:
         print(f"eae-jax train: {err}", file=sys.stderr)
         return 1
-    except (ValueError, OSError) as err:  # CheckpointError is a ValueError
+    except (ValueError, TypeError, OSError, RunLockedError) as err:  # CheckpointError is a ValueError
         print(f"eae-jax train: error: {err}", file=sys.stderr)
         return 2
     except (GateRefused, GuardRefused) as err:  # the model's fp8 seams were refused: a verdict, not a crash
@@ -77,10 +108,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _main(argv) -> int:
+    return run(build_parser().parse_args(argv))
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="eae-jax train", description="Train a LLaMA-style LM with eae_jax.")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``eae-jax train [options]``; returns the exit code (see the module doc)."""
+    return run_command("eae-jax train", _main, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

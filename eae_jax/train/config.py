@@ -28,39 +28,19 @@ PRESETS = {
 
 
 def parse_passes(spec: str):
-    """Build a pass chain from a comma list such as ``"int8,clip=1.0"``.
+    """Build a pass chain from a spec such as ``"int8,clip=1.0"`` (None when empty).
 
-    Names: ``clip=<max_norm>``, ``int8``, ``fp16``, ``bf16``, ``fp8`` /
-    ``fp8=e5m2``, ``decay=<strength>``, ``noise=<std>``, ``stats``,
-    ``topk=<ratio>``, ``guard`` / ``guard=<zero|skip|raise>``. Empty: no passes.
+    The grammar and the table of passes are `eae_jax.passes.spec`: every
+    built-in pass by its factory name or short alias (``clip``, ``int8``,
+    ``fp16``, ``bf16``, ``fp8``, ``decay``, ``noise``, ``stats``, ``topk``,
+    ``guard``, ``synthetic``, ``capture`` ...), with all its hyper-parameters.
 
     Raises:
-      ValueError: unknown name or bad value (listing the valid names).
+      ValueError: unknown name (listing the valid names), bad value or syntax.
     """
-    from eae_jax import passes as P
+    from eae_jax.passes.spec import parse_passes as parse
 
-    builders = {
-        "clip": lambda v: P.clip_by_norm(float(v if v is not None else 1.0)),
-        "int8": lambda v: P.int8_fake_quant(),
-        "fp16": lambda v: P.cast_roundtrip("fp16"),
-        "bf16": lambda v: P.cast_roundtrip("bf16"),
-        "fp8": lambda v: P.fp8_quant(format=v or "e4m3"),
-        "decay": lambda v: P.decay(float(v)),
-        "noise": lambda v: P.gaussian_noise(float(v)),
-        "stats": lambda v: P.statistics(),
-        "topk": lambda v: P.topk_compress(float(v)),
-        "guard": lambda v: P.nonfinite_guard(v or "zero"),
-    }
-    chain = []
-    for item in [s.strip() for s in (spec or "").split(",") if s.strip()]:
-        name, _, value = item.partition("=")
-        if name not in builders:
-            raise ValueError(f"unknown pass {name!r} in {spec!r}; valid: {', '.join(sorted(builders))}")
-        try:
-            chain.append(builders[name](value or None))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"bad value for pass {name!r} in {spec!r}: {err}") from err
-    return P.chain(*chain) if chain else None
+    return parse(spec)
 
 
 @dataclasses.dataclass
@@ -102,6 +82,7 @@ class TrainConfig:
     fp8_weight_scaling: str = "delayed"
 
     def __post_init__(self):
+        self._check_types()
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; valid: {', '.join(PRESETS)}")
         preset = PRESETS[self.preset]
@@ -126,6 +107,12 @@ class TrainConfig:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.batch % self.microbatches:
             raise ValueError(f"batch {self.batch} must split into microbatches={self.microbatches} equal parts")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed}")
+        if not self.out or "\0" in self.out:
+            raise ValueError(f"out must name a run directory, got {self.out!r}")
+        if self.data is not None and (not self.data or "\0" in self.data):
+            raise ValueError(f"data must name a token file (or be unset: the synthetic task), got {self.data!r}")
         if self.data:
             # Stored absolute: a resume from another directory must not read another file of the same name.
             self.data = os.path.abspath(self.data)
@@ -136,6 +123,16 @@ class TrainConfig:
             parse_compute_dtype(self.grad_accum_dtype)
         except ValueError as err:
             raise ValueError(f"grad_accum_dtype: {err}") from err
+        if self.boundary_dtype is not None:
+            try:
+                parse_compute_dtype(self.boundary_dtype)
+            except ValueError as err:
+                raise ValueError(f"boundary_dtype: {err}") from err
+        if self.policy is not None:
+            from eae_jax.reconstruct import resolve_policy
+
+            resolve_policy(self.policy)  # "unknown policy ..."
+        parse_passes(self.passes)  # a bad --passes fails here, before a model is built
         for field, valid in (("fp8_scaling", SCALINGS), ("fp8_fallback", FALLBACKS),
                              ("fp8_grad_scaling", GRAD_SCALINGS), ("fp8_weight_scaling", WEIGHT_SCALINGS)):
             value = getattr(self, field)
@@ -145,6 +142,20 @@ class TrainConfig:
             from eae_jax.fp8 import policy_seams
 
             policy_seams(self.policy_obj)  # raises for formats the seams cannot compute in
+
+    def _check_types(self) -> None:
+        """TypeError naming the field whose value is not of its declared type (bools are not ints)."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            optional = field.type.startswith("Optional[")
+            kind = field.type[len("Optional["):-1] if optional else field.type
+            if value is None and optional:
+                continue
+            ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+                  "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                  "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str)}[kind](value)
+            if not ok:
+                raise TypeError(f"{field.name} must be {'None or ' if optional else ''}{kind}, got {value!r}")
 
     @property
     def fp8(self) -> bool:

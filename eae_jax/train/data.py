@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eae_jax.fileio import sniff
+
 
 def synthetic_batch(key: jax.Array, batch: int, seq_len: int, vocab_size: int) -> jax.Array:
     """Int32 ``(batch, seq_len + 1)`` sequences ``t_i = (a + b*i) mod V``.
@@ -46,8 +48,11 @@ def draw_starts(key: jax.Array, batch: int, high: int) -> np.ndarray:
 class TokenFile:
     """Random windows from a flat file of token ids.
 
-    Accepts ``.npy`` (any integer dtype) or raw ``.bin`` of uint16 (llama2.c's
-    pretokenized shards).
+    Accepts a ``.npy`` array file (any integer dtype) or a raw file of uint16
+    ids (llama2.c's pretokenized ``.bin`` shards), told apart by content (the
+    ``.npy`` header), never by the name's case. A file with another format's
+    magic number (zip/.npz/.pt, pickle, safetensors, gzip, llama2.c
+    checkpoint) or named ``.npy`` without the header is refused.
 
     Raises:
       FileNotFoundError / ValueError: missing or unreadable file, non-integer
@@ -61,8 +66,13 @@ class TokenFile:
         if not os.path.isfile(path):
             raise ValueError(f"token file {path} is not a regular file")
         try:
-            if path.endswith(".npy"):
+            kind = sniff(path)  # by content: a tokens.NPY is an array file, not raw ids
+            if kind == "npy":
                 tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+            elif path.lower().endswith(".npy"):
+                raise ValueError("named .npy but it is not a numpy array file (no .npy header)")
+            elif kind != "unknown":
+                raise ValueError(f"it is a {kind} file, not token ids")
             elif os.path.getsize(path) % 2:
                 raise ValueError(f"{os.path.getsize(path)} bytes is not a whole number of uint16 tokens")
             elif os.path.getsize(path) == 0:

@@ -10,9 +10,7 @@ inserts the gradient all-reduce.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 import time
 from typing import Any, NamedTuple, Optional
 
@@ -25,7 +23,10 @@ from eae_jax.dtypes import parse_compute_dtype
 from eae_jax.models.llama import cross_entropy, init_lm, lm_stack, split_params
 from eae_jax.train import checkpoint as ckpt
 from eae_jax.train.config import PRESETS, TrainConfig, parse_passes
+from eae_jax.buffers import unalias
 from eae_jax.train.data import TokenFile, make_batches
+from eae_jax.train.lock import RunLock
+from eae_jax.train.rundir import JsonlLog, naming_writes, prepare_out
 
 
 class TrainState(NamedTuple):
@@ -234,89 +235,9 @@ def _grad_scales_observed(bound_fp8, fp8_state) -> bool:
     return True
 
 
-class JsonlLog:
-    """Append-only JSON-lines log (one object per line, flushed each write)."""
-
-    def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.path = path
-
-    def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def records(self) -> list:
-        """The complete, parseable records (dicts) in file order ([] when there is no file)."""
-        if not os.path.exists(self.path):
-            return []
-        out = []
-        with open(self.path) as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict):
-                    out.append(record)
-        return out
-
-    def truncate_after(self, step: int) -> None:
-        """Drop records of steps after ``step`` and a torn last line (atomically; a no-op when none)."""
-        if not os.path.exists(self.path):
-            return
-        with open(self.path) as f:
-            lines = f.readlines()
-        keep = []
-        for line in lines:
-            if not line.endswith("\n"):
-                continue  # torn by a kill mid-write: the next write would glue onto it
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
-                continue
-            keep.append(line)
-        if len(keep) == len(lines):
-            return
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-
-
 def _kept(ckpt_dir: str) -> str:
     latest = ckpt.latest(ckpt_dir)
     return f"last checkpoint kept: {latest}" if latest else f"no checkpoint in {ckpt_dir} yet"
-
-
-def _prepare_out(out: str) -> str:
-    """Create ``out/checkpoints`` and check it can be written; returns its path.
-
-    Raises:
-      ValueError: ``out`` (or ``out/checkpoints``, ``out/log.jsonl``) is not what it should be.
-      PermissionError: it cannot be written.
-    """
-    ckpt_dir = os.path.join(out, "checkpoints")
-    for path, kind in ((out, "directory"), (ckpt_dir, "directory")):
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"output {kind} {path} exists and is not a directory")
-    if os.path.isdir(os.path.join(out, "log.jsonl")):
-        raise ValueError(f"log file {os.path.join(out, 'log.jsonl')} is a directory")
-    try:
-        os.makedirs(ckpt_dir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=ckpt_dir)
-        os.close(fd)
-        os.unlink(probe)
-        with open(os.path.join(out, "log.jsonl"), "a"):
-            pass
-    except OSError as err:
-        raise PermissionError(f"cannot write to output directory {out}: {err}") from err
-    return ckpt_dir
 
 
 #: Config fields a resumed run may change: bookkeeping, the schedule's length
@@ -368,32 +289,69 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     there) without changing the run's schedule, as a pre-empted job would.
 
     Writes ``<out>/log.jsonl`` (one record per logged step) and checkpoints
-    under ``<out>/checkpoints`` (atomic; the newest is resumed when
-    ``cfg.resume``).
-    """
-    # Fail on a bad --out or --data before building (and compiling) anything.
-    ckpt_dir = _prepare_out(cfg.out)
-    if not cfg.resume and ckpt.latest(ckpt_dir):
-        raise ValueError(f"resume is off but {ckpt_dir} already holds checkpoints (newest {ckpt.latest(ckpt_dir)}); "
-                         "a fresh run there would mix its checkpoints and log with the old run's: pass a fresh "
-                         "--out, or move the old run away")
-    resumed_from = ckpt.latest(ckpt_dir) if cfg.resume else None
-    if resumed_from:  # its config first: a mismatch names its cause rather than the shapes it changes
-        _check_resumable(cfg, resumed_from, ckpt.read_metadata(resumed_from))
-    source = TokenFile(cfg.data, PRESETS[cfg.preset]["vocab_size"], cfg.seq_len) if cfg.data else None
-    model, stack, tx, bound_fp8, state = build(cfg, source)
-    if resumed_from:
-        state, meta = ckpt.restore(resumed_from, state)
-        log_fn(f"resumed from {resumed_from} at step {int(state.step)}")
-        _say_schedule_change(cfg, meta, int(state.step), log_fn)
+    under ``<out>/checkpoints`` (atomic; the newest readable one is resumed
+    when ``cfg.resume``). The run holds ``<out>``'s lock (`RunLock`)
+    throughout: a second run into the same ``out`` is refused.
 
+    Resuming: an unreadable newest checkpoint (damaged, not an archive) is
+    moved aside to ``<name>.unreadable`` (never deleted) with a warning
+    naming it, and the newest readable one is resumed; when none is
+    readable the run is refused, naming them.
+
+    Raises:
+      ValueError / TypeError: a bad config, data file or output directory
+        (before anything is built); CheckpointError: a checkpoint that does
+        not continue this run, or none readable.
+      RunLockedError: another live run holds ``out``.
+      PermissionError / RunWriteError: ``out`` cannot be written (up front),
+        or a write failed mid-run (the message names the step and file).
+      FloatingPointError: the run diverged (the last good checkpoint is kept).
+    """
+    # Fail on a bad --out, --data or --devices before building (and compiling) anything.
+    ckpt_dir = prepare_out(cfg.out)
+    with RunLock(cfg.out, log_fn):
+        return _train_locked(cfg, ckpt_dir, log_fn, until)
+
+
+def _resume_point(cfg: TrainConfig, ckpt_dir: str, log_fn):
+    """``(path, arrays, metadata)`` of the checkpoint to resume (Nones for a fresh run);
+    unreadable newer ones are set aside with a warning (see `train`)."""
+    if not cfg.resume:
+        if ckpt.latest(ckpt_dir):
+            raise ValueError(f"resume is off but {ckpt_dir} already holds checkpoints (newest "
+                             f"{ckpt.latest(ckpt_dir)}); a fresh run there would mix its checkpoints and log with "
+                             "the old run's: pass a fresh --out, or move the old run away")
+        return None, None, None
+    path, arrays, meta, unreadable = ckpt.newest_readable(ckpt_dir)
+    if path is None and unreadable:
+        raise ckpt.CheckpointError(
+            f"no readable checkpoint in {ckpt_dir}: " + "; ".join(str(err) for _, err in unreadable)
+            + ". Nothing was deleted: move them away to start afresh, or pass a fresh --out")
+    if path is not None:  # its config first: a mismatch names its cause rather than the shapes it changes
+        _check_resumable(cfg, path, meta)
+    for bad, err in unreadable:
+        aside = ckpt.set_aside(bad)
+        log_fn(f"warning: {err}; moved aside to {aside} (not deleted); resuming from the older {path}")
+    return path, arrays, meta
+
+
+def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int]) -> dict:
+    resumed_from, arrays, meta = _resume_point(cfg, ckpt_dir, log_fn)
+    source = TokenFile(cfg.data, PRESETS[cfg.preset]["vocab_size"], cfg.seq_len) if cfg.data else None
     mesh = _mesh(cfg.devices)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data", None))
     micro_batch = cfg.batch // cfg.microbatches
     if micro_batch % mesh.size:
         raise ValueError(f"micro-batch {micro_batch} does not split over {mesh.size} devices")
-    state = jax.device_put(state, replicated)
+    model, stack, tx, bound_fp8, state = build(cfg, source)
+    if resumed_from:
+        state = ckpt.fit(resumed_from, arrays, state)
+        log_fn(f"resumed from {resumed_from} at step {int(state.step)}")
+        _say_schedule_change(cfg, meta, int(state.step), log_fn)
+
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data", None))
+    # The step donates its state: no two leaves may share a buffer (outputs of jit never do).
+    state = unalias(jax.device_put(state, replicated))
     step_fn = jax.jit(make_train_step(cfg, stack, tx, model, bound_fp8), donate_argnums=(0,))
     # Delayed gradient scaling needs scales observed by a step first: the
     # current-scaling step runs until every seam and layer has them (one
@@ -422,56 +380,68 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     start_step = last_logged = int(state.step)
     # Records of steps past the checkpoint (a run killed between checkpoints)
     # are redone by this run: drop them so every step is logged once.
-    log.truncate_after(start_step)
+    with naming_writes(start_step, log.path):
+        log.truncate_after(start_step)
     last_step = cfg.steps if until is None else min(until, cfg.steps)
-    for step in range(start_step, last_step):
-        data_key = jax.random.fold_in(state.key, step)
-        tokens = make_batches(data_key, source, cfg.batch, cfg.seq_len, model.vocab_size)
-        tokens = jax.device_put(tokens.reshape(cfg.microbatches, micro_batch, -1), data_sharding)
-        state, metrics = step_fn(state, tokens)
-        done = step + 1
-        if rerun_fn is not None and bool(metrics["fp8_step_rejected"]):
-            state, metrics = rerun_fn(state, tokens)
-            log_fn(f"fp8: a seam check failed in step {done}; the step was rerun in high precision")
-        if delayed_fn is not None:
-            # A host check (one sync) per step, for a few steps only: a seam
-            # that keeps falling back never observes its gradients.
-            if _grad_scales_observed(bound_fp8, state.fp8):
-                step_fn, delayed_fn, grad_scaling = delayed_fn, None, "delayed"
-                log_fn(f"fp8: gradient scales observed; delayed gradient scaling from step {done + 1}")
-            elif done - start_step >= DELAYED_SWITCH_STEPS:
-                delayed_fn = None
-                log_fn(f"fp8: gradient scales still unobserved after {DELAYED_SWITCH_STEPS} steps (seams falling "
-                       "back); staying with current gradient scaling")
-        if done % cfg.log_every == 0 or done == last_step or done == start_step + 1:
-            metrics = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist())
-                       for k, v in jax.device_get(metrics).items()}
-            if not np.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"loss became {metrics['loss']} at step {done}; {_kept(ckpt_dir)}")
-            now = time.perf_counter()
-            steps_since, last_logged = done - last_logged, done
-            metrics.update(step=done, seconds=now - t_last, tokens_per_s=tokens_per_step * steps_since / (now - t_last))
-            t_last = now
-            first_loss = metrics["loss"] if first_loss is None else first_loss
-            last_loss = metrics["loss"]
-            log.write(metrics)
-            log_fn(f"step {done:>6}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
-                   f"adjoint|xL| {metrics['adjoint_norm'][-1]:.3e}  {metrics['tokens_per_s']:.0f} tok/s")
-        if done % cfg.checkpoint_every == 0 or done == last_step:
-            host_state = jax.device_get(state)
-            # Never let a checkpoint of diverged params replace (keep=) the good ones.
-            loss = float(np.asarray(metrics["loss"]))
-            bad = [jax.tree_util.keystr(p) for p, x in
-                   jax.tree_util.tree_leaves_with_path((host_state.params, host_state.opt_state))
-                   if np.issubdtype(np.asarray(x).dtype, np.inexact) and not np.all(np.isfinite(x))]
-            if bad or not np.isfinite(loss):
-                what = [f"loss {loss}"] if not np.isfinite(loss) else []
-                if bad:
-                    what.append(f"{len(bad)} state arrays ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
-                raise FloatingPointError(f"non-finite {' and '.join(what)} at step {done}; not checkpointed; "
-                                         f"{_kept(ckpt_dir)}")
-            path = ckpt.save(ckpt_dir, done, host_state, metadata={"config": cfg.to_dict()}, keep=cfg.keep)
-            log_fn(f"checkpoint {path}")
+    step = start_step
+    try:
+        for step in range(start_step, last_step):
+            data_key = jax.random.fold_in(state.key, step)
+            tokens = make_batches(data_key, source, cfg.batch, cfg.seq_len, model.vocab_size)
+            tokens = jax.device_put(tokens.reshape(cfg.microbatches, micro_batch, -1), data_sharding)
+            state, metrics = step_fn(state, tokens)
+            done = step + 1
+            if rerun_fn is not None and bool(metrics["fp8_step_rejected"]):
+                state, metrics = rerun_fn(state, tokens)
+                log_fn(f"fp8: a seam check failed in step {done}; the step was rerun in high precision")
+            if delayed_fn is not None:
+                # A host check (one sync) per step, for a few steps only: a seam
+                # that keeps falling back never observes its gradients.
+                if _grad_scales_observed(bound_fp8, state.fp8):
+                    step_fn, delayed_fn, grad_scaling = delayed_fn, None, "delayed"
+                    log_fn(f"fp8: gradient scales observed; delayed gradient scaling from step {done + 1}")
+                elif done - start_step >= DELAYED_SWITCH_STEPS:
+                    delayed_fn = None
+                    log_fn(f"fp8: gradient scales still unobserved after {DELAYED_SWITCH_STEPS} steps (seams falling "
+                           "back); staying with current gradient scaling")
+            if done % cfg.log_every == 0 or done == last_step or done == start_step + 1:
+                metrics = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist())
+                           for k, v in jax.device_get(metrics).items()}
+                if not np.isfinite(metrics["loss"]):
+                    raise FloatingPointError(f"loss became {metrics['loss']} at step {done}; {_kept(ckpt_dir)}")
+                now = time.perf_counter()
+                steps_since, last_logged = done - last_logged, done
+                metrics.update(step=done, seconds=now - t_last, tokens_per_s=tokens_per_step * steps_since / (now - t_last))
+                t_last = now
+                first_loss = metrics["loss"] if first_loss is None else first_loss
+                last_loss = metrics["loss"]
+                with naming_writes(done, log.path):
+                    log.write(metrics)
+                log_fn(f"step {done:>6}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+                       f"adjoint|xL| {metrics['adjoint_norm'][-1]:.3e}  {metrics['tokens_per_s']:.0f} tok/s")
+            if done % cfg.checkpoint_every == 0 or done == last_step:
+                host_state = jax.device_get(state)
+                # Never let a checkpoint of diverged params replace (keep=) the good ones.
+                loss = float(np.asarray(metrics["loss"]))
+                bad = [jax.tree_util.keystr(p) for p, x in
+                       jax.tree_util.tree_leaves_with_path((host_state.params, host_state.opt_state))
+                       if np.issubdtype(np.asarray(x).dtype, np.inexact) and not np.all(np.isfinite(x))]
+                if bad or not np.isfinite(loss):
+                    what = [f"loss {loss}"] if not np.isfinite(loss) else []
+                    if bad:
+                        what.append(f"{len(bad)} state arrays ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
+                    raise FloatingPointError(f"non-finite {' and '.join(what)} at step {done}; not checkpointed; "
+                                             f"{_kept(ckpt_dir)}")
+                with naming_writes(done, os.path.join(ckpt_dir, f"ckpt_{done:08d}.npz")):
+                    path = ckpt.save(ckpt_dir, done, host_state, metadata={"config": cfg.to_dict()}, keep=cfg.keep)
+                log_fn(f"checkpoint {path}")
+    except jax.errors.JaxRuntimeError as err:
+        # nonfinite_guard('raise') raises on the host from inside the step: a diverged run, not a crash.
+        lines = [line for line in str(err).splitlines() if "nonfinite_guard:" in line]
+        if not lines:
+            raise
+        raise FloatingPointError(f"step {step + 1}: {lines[0].split('nonfinite_guard:', 1)[1].strip()} "
+                                 f"(nonfinite_guard); {_kept(ckpt_dir)}") from None
     if last_loss is None:
         # Nothing ran (resuming a finished run): report the run's logged losses.
         logged = [r for r in log.records() if isinstance(r.get("step"), int) and isinstance(r.get("loss"), float)

@@ -1,29 +1,19 @@
-"""Blocks, models, carry and events edge cases found by probing.
+"""Language models and their blocks: the loss, token checks, block and model configs and
+params, plain_stack's policies (bad inputs get errors naming the problem)."""
 
-Each test guards one bug that was fixed: a masked ignore-index target made
-the loss NaN, out-of-range token ids were read silently (negative ones
-wrapping around), integer inputs were truncated through the block, a pass
-whose update changed its state's dtype had its bits reinterpreted, bad LM
-params raised KeyError/AttributeError, events reported statistics where
-the statistics pass never ran and dropped bfloat16 fields, configs took
-values that failed much later, and plain_stack refused policy names.
-"""
-
-from typing import NamedTuple
-
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import eae_jax
-from eae_jax import passes as P
 from eae_jax.blocks import BlockConfig, decoder_block, init_block, init_stack, plain_stack, rms_norm
-from eae_jax.events import EventBus, EventType, emit_step_events, summarize_state
 from eae_jax.models import LMConfig, cross_entropy, init_lm, lm_apply
 from eae_jax.models.llama import check_lm_params
 
 CFG = BlockConfig(dim=32, num_heads=4, num_kv_heads=2, ffn_hidden_dim=40, max_seq_len=16)
+
+
 LM = LMConfig(vocab_size=20, depth=1, block=CFG)
 
 
@@ -70,23 +60,6 @@ def test_block_params_of_another_config_are_named():
         decoder_block(other)(init_block(jax.random.key(0), CFG), jnp.ones((1, 4, 32)))
 
 
-def test_pass_changing_its_state_dtype_is_refused():
-    """An int32 counter updated with + 1.0 was stored as float bits and read
-    back as 1065353216."""
-    def init(spec, key):
-        return jnp.zeros((), jnp.int32)
-
-    def update(g, count, ctx):
-        return g, count + 1.0
-
-    stack = eae_jax.reconstruct(lambda w, x: x + jnp.tanh(x @ w),
-                                passes=P.AdjointTransformation(init, update, "counter"))
-    params, x = jnp.stack([jnp.eye(3) * 0.1] * 3), jnp.ones((2, 3))
-    carry = stack.init(params, x, jax.random.key(0))
-    with pytest.raises(ValueError, match="changed dtype from int32 to float32"):
-        jax.grad(lambda c: jnp.sum(stack(params, x, c)))(carry)
-
-
 @pytest.mark.parametrize("change, match", [
     (lambda p: dict(p, final_norm={}), r"final_norm: expected \{'scale'"),
     (lambda p: dict(p, embed=[1, 2]), "embed: expected an array of shape"),
@@ -95,30 +68,6 @@ def test_bad_lm_params_get_value_errors(change, match):
     params = init_lm(jax.random.key(0), LM)
     with pytest.raises(ValueError, match=match):
         check_lm_params(change(params), LM)
-
-
-def test_adjoint_modified_only_where_statistics_ran():
-    """at_layers(statistics(), [-1]) reported zero statistics at every other boundary."""
-    stack = eae_jax.reconstruct(lambda w, x: x + jnp.tanh(x @ w),
-                                passes=P.chain(P.at_layers(P.statistics(), [-1]), P.clip_by_norm(10.0)))
-    params, x = jnp.stack([jnp.eye(3) * 0.1] * 4), jnp.ones((2, 3))
-    carry = stack.init(params, x, jax.random.key(0))
-    carry, stats = stack.update(carry, jax.grad(lambda c: jnp.sum(stack(params, x, c)))(carry))
-    events = emit_step_events(EventBus(), stack, stats, carry)
-    modified = [e for e in events if e.type == EventType.ADJOINT_MODIFIED]
-    assert [e.payload["layer_id"] for e in modified] == [4]
-    np.testing.assert_allclose(modified[0].payload["norm"], float(stats["adjoint_norm"][4]), rtol=1e-5)
-    applied = [e for e in events if e.type == EventType.PASS_APPLIED]
-    assert len(applied) == 2 * 5  # PassApplied still at every boundary, for both passes
-
-
-def test_summarize_state_keeps_bfloat16_fields():
-    class S(NamedTuple):
-        a: jax.Array
-        b: jax.Array
-
-    out = summarize_state(S(jnp.full((4,), 2.0, jnp.bfloat16), jnp.full((4,), 2.0, jnp.float16)))
-    assert out == {"a_norm": 4.0, "b_norm": 4.0}
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -152,7 +101,6 @@ def test_plain_stack_takes_policy_names(policy):
 
     want = jax.grad(loss)(params, "none")
     got = jax.grad(loss)(params, policy)
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="unknown policy"):
         loss(params, "dotz")

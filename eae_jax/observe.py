@@ -48,6 +48,8 @@ from typing import Any, NamedTuple, Tuple
 import jax
 import jax.numpy as jnp
 
+from eae_jax.buffers import unalias
+
 #: How the uses of one handle combine (see the module docstring).
 REDUCES = ("sum", "max", "replace")
 
@@ -167,24 +169,15 @@ class Handle:
 
 
 def _flatten_checked(tree: Any) -> Tuple[list, Any, list]:
-    """Leaves (as arrays, de-aliased), treedef and codecs of ``tree``.
-
-    A leaf object met twice is copied: a handle whose leaves share one
-    buffer cannot be donated (``donate_argnums`` refuses to donate a buffer
-    twice), and a state made with one zero array for several fields is easy
-    to write.
-    """
+    """Leaves (as arrays), treedef and codecs of ``tree``."""
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves, codecs, seen = [], [], set()
+    leaves, codecs = [], []
     for path, x in with_path:
         try:
             x = jnp.asarray(x)
             codecs.append(codec_for(x))
         except TypeError as err:
             raise TypeError(f"cannot carry the state leaf {jax.tree_util.keystr(path)}: {err}") from err
-        if id(x) in seen and not isinstance(x, jax.core.Tracer):
-            x = jnp.array(x, copy=True)
-        seen.add(id(x))
         leaves.append(x)
     return leaves, treedef, codecs
 
@@ -219,7 +212,9 @@ def handle(template: Any, reduce: str = "sum", cls: type = Handle) -> Handle:
             raise TypeError(f"a {reduce!r} handle holds floating observations only, got dtypes {bad} "
                             "(counts and maxima are float32; state of any dtype goes in a 'replace' handle)")
         leaves = [jnp.zeros_like(x) for x in leaves]
-    encoded = [encode_leaf(x, c) for x, c in zip(leaves, codecs)]
+    # A handle whose leaves share one buffer could not be donated (a state
+    # made with one zero array for several fields is easy to write).
+    encoded = unalias([encode_leaf(x, c) for x, c in zip(leaves, codecs)])
     return cls(encoded, jnp.zeros((), jnp.float32), treedef, codecs, reduce)
 
 

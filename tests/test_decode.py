@@ -110,3 +110,15 @@ def test_a_cache_of_another_shape_or_past_its_end_is_refused():
         forward_cached(params, jnp.array([[1, 2]]), init_cache(cfg, batch=1, length=8), 7, cfg)
     with pytest.raises(ValueError, match="longer than the model's max_seq_len"):
         init_cache(cfg, 1, 41)
+
+
+def test_non_finite_logits_stop_the_stream():
+    params, cfg = tiny()
+    clean = generate(params, cfg, [1], 10).tokens
+    j = next(j for j in range(2, 11) if clean[j] not in clean[:j])     # the first id new to the sequence ...
+    poisoned = dict(params, embed=params["embed"].at[clean[j]].set(jnp.nan))   # ... turns what follows it into NaN
+    got = []
+    with pytest.raises(FloatingPointError, match=f"position {j + 1} are not finite"):
+        for token in stream(poisoned, cfg, [1], 10):
+            got.append(token)
+    assert got == clean[1:j + 1].tolist()                              # the ids before it came through

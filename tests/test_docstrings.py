@@ -29,6 +29,8 @@ MODULES = (
     "eae_jax.blocks.swiglu",
     "eae_jax.blocks.transformer",
     "eae_jax.carry",
+    "eae_jax.generate",
+    "eae_jax.model_files",
     "eae_jax.models.decode",
     "eae_jax.models.sampling",
     "eae_jax.observe",

@@ -199,6 +199,11 @@ def forward_cached(params: dict, tokens: jax.Array, cache: KVCache, pos: Any, cf
     return head(params["final_norm"], table, x, b.norm_eps), KVCache(k, v)
 
 
+def _flag_nonfinite(ids: jax.Array, rows: jax.Array) -> jax.Array:
+    """``ids`` with -1 where the logits they came from hold a NaN or an infinity (found with the id, no extra sync)."""
+    return jnp.where(jnp.all(jnp.isfinite(rows), axis=-1), ids, -1)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
 def prefill(params: dict, tokens: jax.Array, cache: KVCache, key: jax.Array, *, cfg: LMConfig,
             sampling: Sampling):
@@ -210,7 +215,8 @@ def prefill(params: dict, tokens: jax.Array, cache: KVCache, key: jax.Array, *, 
 
     Returns:
       ``(next_ids (batch,), logits (batch, V), cache)``: the id drawn for
-      position P (key ``fold_in(key, P)``) and the logits it was drawn from.
+      position P (key ``fold_in(key, P)``; -1 where the logits are not
+      finite) and the logits it was drawn from.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -226,7 +232,7 @@ def prefill(params: dict, tokens: jax.Array, cache: KVCache, key: jax.Array, *, 
     logits, cache = forward_cached(params, tokens, cache, 0, cfg)
     row = logits[:, -1]
     position = tokens.shape[1]
-    return sample_tokens(jax.random.fold_in(key, position), row, sampling), row, cache
+    return _flag_nonfinite(sample_tokens(jax.random.fold_in(key, position), row, sampling), row), row, cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
@@ -235,12 +241,13 @@ def decode_step(params: dict, ids: jax.Array, pos: jax.Array, cache: KVCache, ke
     """Feed ``ids`` ``(batch,)`` at position ``pos`` and draw the ids for ``pos + 1``.
 
     Jitted with fixed shapes: ``pos`` is traced, so every token reuses one
-    compilation (per ``cfg``, ``sampling`` and cache shape). ``cache`` is
-    donated. ``pos + 1`` must not pass ``cache.length`` (callers check it:
+    compilation (per ``cfg``, ``sampling`` and cache shape; ``sampling`` is
+    a required keyword, as in `prefill`). ``cache`` is donated. ``pos + 1`` must not pass ``cache.length`` (callers check it:
     a traced position cannot be).
 
     Returns:
-      ``(next_ids (batch,), logits (batch, V), cache)``.
+      ``(next_ids (batch,), logits (batch, V), cache)``; an id is -1 where
+      its logits are not finite.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -257,7 +264,7 @@ def decode_step(params: dict, ids: jax.Array, pos: jax.Array, cache: KVCache, ke
     """
     logits, cache = forward_cached(params, ids[:, None], cache, pos, cfg)
     row = logits[:, 0]
-    return sample_tokens(jax.random.fold_in(key, pos + 1), row, sampling), row, cache
+    return _flag_nonfinite(sample_tokens(jax.random.fold_in(key, pos + 1), row, sampling), row), row, cache
 
 
 def _check_request(cfg: LMConfig, prompt: Sequence[int], steps: int, sampling: Sampling, key: Any,
@@ -310,6 +317,8 @@ def stream(params: dict, cfg: LMConfig, prompt: Sequence[int], steps: int, *, sa
     Raises:
       ValueError: a bad prompt, steps, cache length, or no key for sampling
         (before any work).
+      FloatingPointError: the model gave non-finite logits (raised when that
+        step's id is due; the ids before it were yielded).
 
     Example:
       >>> import jax
@@ -334,7 +343,10 @@ def stream(params: dict, cfg: LMConfig, prompt: Sequence[int], steps: int, *, sa
         if i + 1 < steps:  # dispatch the next step before reading this id: the device keeps working
             upcoming, row, cache = decode_step(params, current, pos, cache, key, cfg=cfg, sampling=sampling)
             pos += 1
-        yield int(np.asarray(current)[0])
+        value = int(np.asarray(current)[0])
+        if value < 0:
+            raise FloatingPointError(f"the model's logits for position {len(ids) + i} are not finite (NaN or inf)")
+        yield value
         if i + 1 < steps:
             current = upcoming
 

@@ -16,6 +16,8 @@ from typing import Dict, Optional, Sequence, Tuple
 #: name -> (module, function, help). The function gets the argv after the name.
 COMMANDS: Dict[str, Tuple[str, str, str]] = {
     "train": ("eae_jax.train.cli", "main", "train a LLaMA-style LM with boundary-only reconstruction"),
+    "export": ("eae_jax.export", "main",
+               "write a training run (or any checkpoint) as a Hugging Face directory or a llama2.c .bin/.pt"),
     "generate": ("eae_jax.generate", "main",
                  "sample from a training run, a llama2.c or a Hugging Face checkpoint (KV cache, streamed)"),
     "parity": ("interop.cli", "parity_main",

@@ -141,11 +141,17 @@ def read_run_checkpoint(path: str) -> tuple:
     return state.params, train_cfg.model(), dict(meta, train_config=stored)
 
 
-def _require_torch(fmt: str, path: str) -> None:
+def require_torch(what: str, path: str) -> None:
+    """Raise `TorchRequired` (naming ``what`` and ``path``) unless torch can be imported.
+
+    Example:
+      >>> from eae_jax.model_files import require_torch
+      >>> require_torch("Hugging Face", "model_dir")      # torch is installed here: nothing happens
+    """
     try:
         import torch  # noqa: F401
     except ImportError as err:
-        raise TorchRequired(f"{path}: reading a {fmt} checkpoint needs PyTorch: pip install 'eae-jax[torch]' "
+        raise TorchRequired(f"{path}: a {what} checkpoint needs PyTorch: pip install 'eae-jax[torch]' "
                             "(training runs and llama2.c .bin files do not)") from err
 
 
@@ -204,7 +210,7 @@ def load_model(path: str, tokenizer: Any = None) -> LoadedModel:
 
         fmt = detect_format(path)
         if fmt in TORCH_FORMATS:
-            _require_torch(fmt, path)
+            require_torch(fmt, path)
         from interop.auto import load_checkpoint
         from interop.imported import ImportedModel
 

@@ -116,9 +116,16 @@ def init_cache(cfg: LMConfig, batch: int, length: int, dtype: Any = None) -> KVC
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def _cached_block(bcfg, params: dict, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array,
-                  rope: RopeTables):
-    """One decoder block (as `eae_jax.blocks.decoder_block`) on ``x`` at positions ``pos..pos+S-1``."""
+def _cached_block(bcfg, params: dict, x: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pos: jax.Array,
+                  tables: RopeTables, visible: jax.Array):
+    """One decoder block (as `eae_jax.blocks.decoder_block`) on ``x`` at positions ``pos..pos+S-1``.
+
+    Writes the new keys and values into layer ``layer`` of the whole cache
+    (``k_all``, ``v_all``: ``(depth, batch, length, kv_heads, head_dim)``),
+    which the layer scan carries: XLA updates the donated buffers in place.
+    ``tables`` are the RoPE rows of these positions; ``visible`` (S, length)
+    masks the positions not yet written.
+    """
     if bcfg.compute_dtype is not None:
         x = x.astype(bcfg.compute_dtype)
         params = jax.tree_util.tree_map(
@@ -130,19 +137,18 @@ def _cached_block(bcfg, params: dict, x: jax.Array, k_cache: jax.Array, v_cache:
     q = linear(h, attn["wq"]).reshape(batch, seq, heads, head_dim)
     k = linear(h, attn["wk"]).reshape(batch, seq, kv_heads, head_dim)
     v = linear(h, attn["wv"]).reshape(batch, seq, kv_heads, head_dim)
-    tables = RopeTables(jax.lax.dynamic_slice_in_dim(rope.cos, pos, seq),
-                        jax.lax.dynamic_slice_in_dim(rope.sin, pos, seq))
     q = apply_rope(q, tables, bcfg.rope_style)
     k = apply_rope(k, tables, bcfg.rope_style)
-    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), pos, axis=1)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), pos, axis=1)
-    # Query i (at pos + i) sees the keys at positions <= pos + i; the unwritten tail is masked out.
-    visible = jnp.arange(k_cache.shape[1])[None, :] <= (pos + jnp.arange(seq))[:, None]
-    out = jax.nn.dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype),
+    zero = jnp.zeros((), jnp.int32)
+    k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (layer, zero, pos, zero, zero))
+    v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (layer, zero, pos, zero, zero))
+    k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)
+    v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+    out = jax.nn.dot_product_attention(q, k_layer.astype(q.dtype), v_layer.astype(q.dtype),
                                        mask=visible[None, None], implementation="xla")
     x = x + linear(out.reshape(batch, seq, heads * head_dim), attn["wo"]).astype(x.dtype)
     h = rms_norm(params["ffn_norm"], x, bcfg.norm_eps)
-    return x + swiglu(params["ffn"], h).astype(x.dtype), k_cache, v_cache
+    return x + swiglu(params["ffn"], h).astype(x.dtype), k_all, v_all
 
 
 def forward_cached(params: dict, tokens: jax.Array, cache: KVCache, pos: Any, cfg: LMConfig):
@@ -188,13 +194,18 @@ def forward_cached(params: dict, tokens: jax.Array, cache: KVCache, pos: Any, cf
     pos = jnp.asarray(pos, jnp.int32)
     rope = b.rope(cache.length)
     x = embed(params["embed"], tokens, b.compute_dtype)
+    tables = RopeTables(jax.lax.dynamic_slice_in_dim(rope.cos, pos, seq),
+                        jax.lax.dynamic_slice_in_dim(rope.sin, pos, seq))
+    # Query i (at pos + i) sees the keys at positions <= pos + i; the unwritten tail is masked out.
+    visible = jnp.arange(cache.length)[None, :] <= (pos + jnp.arange(seq))[:, None]
 
-    def layer(x, inputs):
-        p, k_layer, v_layer = inputs
-        x, k_layer, v_layer = _cached_block(b, p, x, k_layer, v_layer, pos, rope)
-        return x, (k_layer, v_layer)
+    def layer(carry, inputs):
+        x, k_all, v_all = carry
+        p, index = inputs
+        return _cached_block(b, p, x, k_all, v_all, index, pos, tables, visible), None
 
-    x, (k, v) = jax.lax.scan(layer, x, (params["blocks"], cache.k, cache.v))
+    layers = jnp.arange(cfg.depth, dtype=jnp.int32)
+    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), (params["blocks"], layers))
     table = params["embed"] if cfg.tie_embeddings else params["lm_head"]
     return head(params["final_norm"], table, x, b.norm_eps), KVCache(k, v)
 

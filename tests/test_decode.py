@@ -88,6 +88,7 @@ def test_seeds_reproduce_and_differ():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(prompt=[]), "non-empty"),
     (dict(prompt=[[1, 2]]), "1-D"),
+    (dict(prompt=[1.0, 2.5]), "integers"),
     (dict(prompt=[1, 48]), r"\[0, 48\)"),
     (dict(prompt=[-1]), r"\[0, 48\)"),
     (dict(steps=0), "steps"),

@@ -73,6 +73,9 @@ def test_llama2c_bin_and_pt_exports(tiny_run, run_model, tmp_path, capsys):
     assert main([tiny_run, pt]) == 0
     ckpt = torch.load(pt, weights_only=True)
     assert ckpt["model_args"]["norm_eps"] == b.norm_eps
+    from_pt = load_model(pt)
+    assert from_pt.config == run_model.config                        # the .pt keeps eps and all
+    jax.tree_util.tree_map(np.testing.assert_array_equal, from_pt.params, run_model.params)
     np.testing.assert_array_equal(ckpt["model"]["layers.3.attention.wq.weight"].numpy(),
                                   run_model.params["blocks"]["attn"]["wq"][3])
 

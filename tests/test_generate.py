@@ -155,3 +155,10 @@ def test_a_failure_while_generating_exits_1(tmp_path, bin_model, capsys):
     assert main([path, "--ids", "5,6,7,8", "--steps", "20", "--temperature", "0"]) == 1   # shapes compiled above
     out = capsys.readouterr()
     assert out.out == "5 6 7 8\n" and "not finite" in out.err and "failed after 0 tokens" in out.err
+
+
+def test_llama2c_bin_and_runs_need_no_torch(bin_model, tiny_run, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)                    # any import of torch now fails
+    assert main([bin_model[0], "--ids", "5,6,7,8", "--steps", "20", "--temperature", "0"]) == 0
+    assert main([tiny_run, "--ids", "1,2", "--steps", "6", "--temperature", "0"]) == 0
+    assert "error" not in capsys.readouterr().err

@@ -285,12 +285,12 @@ def _check_request(cfg: LMConfig, prompt: Sequence[int], steps: int, sampling: S
         raise TypeError(f"cfg must be an LMConfig, got {type(cfg).__name__}")
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be a Sampling, got {type(sampling).__name__}")
-    try:
-        ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"the prompt must be a sequence of token ids, got {prompt!r}") from err
-    if np.asarray(prompt).ndim != 1 or not ids:
+    array = np.asarray(prompt)
+    if array.ndim != 1 or array.size == 0:
         raise ValueError(f"the prompt must be a non-empty 1-D sequence of token ids, got {prompt!r}")
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"prompt ids must be integers, got {array.dtype} values {array.tolist()[:8]}")
+    ids = [int(t) for t in array]
     bad = sorted({t for t in ids if not 0 <= t < cfg.vocab_size})
     if bad:
         raise ValueError(f"prompt ids must lie in [0, {cfg.vocab_size}), got {bad[:8]}")

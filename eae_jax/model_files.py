@@ -196,6 +196,9 @@ def load_model(path: str, tokenizer: Any = None) -> LoadedModel:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such model file or directory: {path}")
     run_ckpt = find_run_checkpoint(path)
+    if run_ckpt is None and os.path.isdir(os.path.join(path, "checkpoints")):
+        raise FileNotFoundError(f"{path} is a training run directory without a complete checkpoint yet "
+                                f"(nothing in {os.path.join(path, 'checkpoints')})")
     if run_ckpt is not None:
         params, cfg, meta = read_run_checkpoint(run_ckpt)
         checkpoints_dir = os.path.dirname(os.path.abspath(run_ckpt))

@@ -103,6 +103,12 @@ def test_bad_requests_are_refused_before_any_work(kwargs, match):
         generate(params, cfg, args.pop("prompt"), args.pop("steps"), **args)
 
 
+def test_stream_checks_the_request_when_called():
+    params, cfg = tiny()
+    with pytest.raises(ValueError, match="steps"):
+        stream(params, cfg, [1], 0)                     # no next() needed
+
+
 def test_a_cache_of_another_shape_or_past_its_end_is_refused():
     params, cfg = tiny()
     with pytest.raises(ValueError, match="does not fit this model"):

@@ -118,6 +118,9 @@ def test_bad_arguments_exit_2_before_generating(bin_model, capsys, extra, match)
 def test_bad_files_exit_2(tmp_path, bin_model, capsys):
     assert main([str(tmp_path / "missing.bin")]) == 2
     assert "no such model" in capsys.readouterr().err
+    (tmp_path / "young_run" / "checkpoints").mkdir(parents=True)
+    assert main([str(tmp_path / "young_run")]) == 2
+    assert "without a complete checkpoint" in capsys.readouterr().err
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"\x01\x02\x03" * 10)
     assert main([str(junk)]) == 2

@@ -327,7 +327,7 @@ def stream(params: dict, cfg: LMConfig, prompt: Sequence[int], steps: int, *, sa
 
     Raises:
       ValueError: a bad prompt, steps, cache length, or no key for sampling
-        (before any work).
+        (when called, before any work).
       FloatingPointError: the model gave non-finite logits (raised when that
         step's id is due; the ids before it were yielded).
 
@@ -343,12 +343,17 @@ def stream(params: dict, cfg: LMConfig, prompt: Sequence[int], steps: int, *, sa
       >>> len(ids), all(0 <= i < 32 for i in ids)
       (5, True)
     """
-    ids, length = _check_request(cfg, prompt, steps, sampling, key, cache_len)
+    ids, length = _check_request(cfg, prompt, steps, sampling, key, cache_len)  # now, not at the first next()
     key = jax.random.key(0) if key is None else key  # unused when greedy
+    return _decode_ids(params, cfg, ids, int(steps), sampling, key, length, logits_out)
+
+
+def _decode_ids(params, cfg, ids, steps, sampling, key, length, logits_out) -> Iterator[int]:
+    """The generator behind `stream`, on a checked request."""
     cache = init_cache(cfg, 1, length, params_dtype(params, cfg))
     current, row, cache = prefill(params, jnp.asarray([ids], jnp.int32), cache, key, cfg=cfg, sampling=sampling)
     pos = len(ids)
-    for i in range(int(steps)):
+    for i in range(steps):
         if logits_out is not None:
             logits_out.append(row[0])
         if i + 1 < steps:  # dispatch the next step before reading this id: the device keeps working

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, STORIES, needs_stories
 from eae_jax.cli import main as cli_main
 from eae_jax.generate import main
-from eae_jax.models import LMConfig, init_lm
+from eae_jax.models import init_lm
 from eae_jax.models.decode import generate
 from eae_jax.models.sampling import Sampling
 from eae_jax.text import ByteTokenizer

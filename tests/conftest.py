@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-#: The real trained tiny LLaMA beside the checkout (never committed).
-STORIES = os.path.abspath(os.path.join(ROOT, "..", "shared", "models", "stories260K.bin"))
+#: The real trained tiny LLaMA beside the checkout (never committed); EAE_STORIES260K points elsewhere
+#: (a worktree whose ../shared is not the checkout's).
+STORIES = os.path.abspath(os.environ.get("EAE_STORIES260K")
+                          or os.path.join(ROOT, "..", "shared", "models", "stories260K.bin"))
 
 #: Skip marker for tests that read stories260K.bin.
 needs_stories = pytest.mark.skipif(
@@ -103,3 +105,16 @@ def small_llama2c_bytes(tmp_path, version: int, shared: bool = True) -> bytes:
     interop.save_llama2c_bin(path, init_lm(jax.random.key(0), lm), lm, version=version)
     with open(path, "rb") as f:
         return f.read()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """The directory of a finished two-step ``eae-jax train`` run (tiny preset, batch 2, seq 16).
+
+    Made once per session by the training command itself; tests only read it.
+    """
+    from eae_jax.train import TrainConfig, train
+
+    out = str(tmp_path_factory.mktemp("tiny_run"))
+    train(TrainConfig(preset="tiny", steps=2, batch=2, seq_len=16, out=out, log_every=1), log_fn=lambda m: None)
+    return out

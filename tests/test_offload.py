@@ -162,16 +162,13 @@ def test_boundaries_are_placed_in_host_memory_when_traced(boundary_dtype, tag):
     assert "<host>" not in text_plain
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_lowering_for_cuda_annotates_pinned_host_and_prefetch(prefetch):
+def test_lowering_for_cuda_annotates_pinned_host():
     """Lowered for CUDA (no GPU needed): the forward stores to pinned_host; the
     backward copies each boundary back inside the reverse loop (one device
-    copy), or, with the one-ahead prefetch (a private switch, measured
-    slower), the first boundary before the loop and the next inside it."""
+    copy)."""
     export = pytest.importorskip("jax.export")
     params, x, y = _inputs(4)
     stack = eae_jax.reconstruct(BLOCK, offload=True)
-    stack._offload_prefetch = prefetch
 
     def loss(p, x):
         return jnp.sum(stack(p, x) ** 2)
@@ -182,7 +179,7 @@ def test_lowering_for_cuda_annotates_pinned_host_and_prefetch(prefetch):
         pytest.skip(f"cross-lowering for cuda unavailable here: {err}")
     text = exported.mlir_module()
     assert text.count('_xla_buffer_placement = "pinned_host"') == 1
-    assert text.count('_xla_buffer_placement = "device"') == (2 if prefetch else 1)
+    assert text.count('_xla_buffer_placement = "device"') == 1
     # the device copy inside the backward loop reads a dynamic slice of the host stack
     assert re.search(r"stablehlo.dynamic_slice %arg\d+, .*tensor<4x2x8x32xf32>", text)
 

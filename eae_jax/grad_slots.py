@@ -83,8 +83,12 @@ def plan(param_leaf_specs, boundary_shape, boundary_dtype) -> Optional[SlotPlan]
         return None
     cands = []
     for idx, (shape, dtype) in enumerate(param_leaf_specs):
+        # Ints, bools and typed PRNG keys (which `jnp.dtype` cannot even
+        # interpret) get no float gradient to share bytes with.
+        if not jnp.issubdtype(dtype, jnp.floating):
+            continue
         dtype = jnp.dtype(dtype)
-        if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 8:
+        if dtype.itemsize <= 8:
             elems = int(np.prod(shape, dtype=np.int64))
             if elems:
                 cands.append((elems * dtype.itemsize, idx, elems, dtype))

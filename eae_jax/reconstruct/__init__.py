@@ -70,11 +70,6 @@ device, for instance, are (besides `bind`'s default) two methods::
 
         def get(self, stored, spec):
             return stored.astype(spec.dtype)
-
->>> stack = reconstruct([Scan(lambda w, x: jnp.tanh(x @ w)), lambda w, x: x @ w],
-...                     storage=[GradSlots(), OnDevice("bfloat16")])
->>> [s.kind for s in stack.storages([jnp.ones((3, 2, 2)), jnp.ones((2, 2))], jnp.ones((1, 2)))]
-['grad_slots', 'device']
 """
 
 from eae_jax.reconstruct.adjoint import AtBoundary

@@ -27,7 +27,8 @@ class Host(BoundaryStorage):
     slower (experiments/results/h200/bench_table.md, "one-ahead prefetch");
     `HostUnrolled` is the schedule whose copies overlap compute.
 
-    >>> stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x * w), storage=Host())
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x * w), storage=Host())
     >>> jax.grad(lambda w: stack(w, jnp.ones(2)).sum())(jnp.ones((3, 2))).shape
     (3, 2)
     """
@@ -51,7 +52,8 @@ class HostUnrolled(Host):
     block i's recompute and VJP. Compile time grows with depth. `bind`
     serves unscanned blocks and runs of depth 0 with `Host`.
 
-    >>> stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x * w), storage=HostUnrolled())
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x * w), storage=HostUnrolled())
     >>> [type(s).__name__ for s in stack.storages(jnp.ones((3, 2)), jnp.ones(2))]
     ['HostUnrolled']
     """

@@ -68,6 +68,16 @@ class SplitVJP(NamedTuple):
       sources: per residual leaf, ``('param', j)`` / ``('side', j)`` for an
         input passed through (not kept), or ``('kept', k)``.
       float_in: whether the VJP is taken with respect to ``x`` too.
+
+    >>> import jax.numpy as jnp
+    >>> lay = SegmentLayout(Segment(lambda w, x: jnp.tanh(x @ w), "b", False), 1,
+    ...                     jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((1, 2), jnp.float32),
+    ...                     None, 0)
+    >>> split = split_vjp(lay, jax.checkpoint_policies.dots_saveable)
+    >>> y, kept = split.save(jnp.eye(2), jnp.ones((1, 2)), None)
+    >>> g_w, g_x = split.restore(jnp.eye(2), kept, jnp.ones((1, 2)), None)
+    >>> len(kept), g_w.shape, g_x.shape
+    (2, (2, 2), (1, 2))
     """
 
     forward: Any
@@ -95,6 +105,7 @@ def split_vjp(layout: SegmentLayout, policy) -> SplitVJP:
     """Trace one block's VJP under ``jax.checkpoint(policy=policy)`` from the
     layout's shapes and split its residuals (see `SplitVJP`).
 
+    >>> import jax.numpy as jnp
     >>> lay = SegmentLayout(Segment(lambda w, x: jnp.tanh(x @ w), "b", False), 1,
     ...                     jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((1, 2), jnp.float32),
     ...                     None, 0)
@@ -138,7 +149,9 @@ class Policy(Storage):
     The boundaries are kept on the device, in their own dtype. ``None`` /
     ``'boundaries'`` keeps nothing more: `bind` serves it with `OnDevice`.
 
-    >>> stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x @ w), storage=Policy("dots"))
+    >>> import jax.numpy as jnp
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x @ w), storage=Policy("dots"))
     >>> jax.grad(lambda w: stack(w, jnp.ones((1, 2))).sum())(jnp.ones((3, 2, 2))).shape
     (3, 2, 2)
     """

@@ -24,7 +24,8 @@ class GradSlots(BoundaryStorage):
     cannot serve: an unscanned block, a run of depth 0, a non-float input,
     or blocks whose float params are smaller than a boundary.
 
-    >>> stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x @ w), storage=GradSlots())
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x @ w), storage=GradSlots())
     >>> [s.kind for s in stack.storages(jnp.ones((3, 4, 4)), jnp.ones((1, 4)))]
     ['grad_slots']
     """

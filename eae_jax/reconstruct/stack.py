@@ -27,7 +27,7 @@ class Scan(NamedTuple):
     ``fn(params_i, x) -> x`` must keep the shape and dtype of ``x``; its
     params in the stack's param list carry a leading depth axis.
 
-    >>> stack = eae_jax.reconstruct([Scan(lambda w, x: x * w, "scale"), lambda b, x: x + b])
+    >>> stack = reconstruct([Scan(lambda w, x: x * w, "scale"), lambda b, x: x + b])
     >>> stack([jnp.full((3, 2), 2.0), jnp.ones(2)], jnp.ones(2))
     Array([9., 9.], dtype=float32)
     """
@@ -81,7 +81,7 @@ class Reconstructed:
     Call it as ``stack(params, x, carry=None, side=None)``; see
     `reconstruct` for the meaning of each argument.
 
-    >>> stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x * w))
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x * w))
     >>> w, x = jnp.ones((3, 2)), jnp.ones(2)
     >>> carry = stack.init(w, x)
     >>> g_w, g_c = jax.grad(lambda w, c: stack(w, x, c).sum(), argnums=(0, 1))(w, carry)
@@ -168,7 +168,7 @@ class Reconstructed:
           ValueError: a block fails on its input or changes a scanned
             boundary's shape/dtype; the message names the block and shapes.
 
-        >>> stack = eae_jax.reconstruct(lambda w, x: x * w)
+        >>> stack = reconstruct(lambda w, x: x * w)
         >>> depths, specs = stack.layout(jnp.ones((3, 2)), jnp.ones(2))
         >>> depths, len(specs)
         ([3], 4)
@@ -182,7 +182,7 @@ class Reconstructed:
         segment's `Storage` bound to its layout (which may choose another,
         e.g. `GradSlots` falls back to `OnDevice` for blocks too small).
 
-        >>> stack = eae_jax.reconstruct([lambda w, x: x @ w, Scan(lambda w, x: jnp.tanh(x @ w))])
+        >>> stack = reconstruct([lambda w, x: x @ w, Scan(lambda w, x: jnp.tanh(x @ w))])
         >>> [s.kind for s in stack.storages([jnp.ones((2, 2)), jnp.ones((3, 2, 2))], jnp.ones((1, 2)))]
         ['device', 'grad_slots']
         """
@@ -211,7 +211,7 @@ class Reconstructed:
         Raises:
           TypeError: ``key`` is none of those.
 
-        >>> stack = eae_jax.reconstruct(lambda w, x: x * w)
+        >>> stack = reconstruct(lambda w, x: x * w)
         >>> type(stack.init(jnp.ones((3, 2)), jnp.ones(2), key=7)).__name__
         'AdjointCarry'
         """
@@ -225,7 +225,7 @@ class Reconstructed:
         A scanned segment's state has a leading axis over its boundaries;
         ``top`` belongs to the output boundary xL.
 
-        >>> stack = eae_jax.reconstruct(lambda w, x: x * w)
+        >>> stack = reconstruct(lambda w, x: x * w)
         >>> sorted(stack.state(stack.init(jnp.ones((3, 2)), jnp.ones(2))))
         ['segments', 'top']
         """
@@ -246,7 +246,7 @@ class Reconstructed:
         backward passes raises (see `eae_jax.carry.decode_update`);
         either way the old state is kept then.
 
-        >>> stack = eae_jax.reconstruct(lambda w, x: x * w)
+        >>> stack = reconstruct(lambda w, x: x * w)
         >>> w, x = jnp.ones((3, 2)), jnp.ones(2)
         >>> carry = stack.init(w, x)
         >>> carry, stats = stack.update(carry, jax.grad(lambda c: stack(w, x, c).sum())(carry))
@@ -320,7 +320,7 @@ class Reconstructed:
           ValueError / TypeError: mismatched params, shapes or dtypes, naming
             the block.
 
-        >>> stack = eae_jax.reconstruct(lambda w, x, gate: x * w * gate)
+        >>> stack = reconstruct(lambda w, x, gate: x * w * gate)
         >>> stack(jnp.full((2, 2), 3.0), jnp.ones(2), side=jnp.array([1.0, 0.5]))
         Array([9.  , 2.25], dtype=float32)
         """
@@ -446,10 +446,19 @@ def reconstruct(
       ValueError: an unknown ``offload`` schedule or ``policy`` name, or
         ``storage`` given together with the storage keywords.
 
-    >>> stack = reconstruct(lambda w, x: jnp.tanh(x @ w), passes=eae_jax.passes.clip_by_norm(1.0))
+    >>> from eae_jax.passes import clip_by_norm
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x @ w), passes=clip_by_norm(1.0))
     >>> w, x = jnp.ones((4, 3, 3)) * 0.5, jnp.ones((2, 3))
     >>> jax.grad(lambda w: stack(w, x).sum())(w).shape
     (4, 3, 3)
+
+    One storage per segment:
+
+    >>> from eae_jax.reconstruct import GradSlots, OnDevice
+    >>> stack = reconstruct([Scan(lambda w, x: jnp.tanh(x @ w)), lambda w, x: x @ w],
+    ...                     storage=[GradSlots(), OnDevice("bfloat16")])
+    >>> [s.kind for s in stack.storages([jnp.ones((3, 2, 2)), jnp.ones((2, 2))], jnp.ones((1, 2)))]
+    ['grad_slots', 'device']
     """
     # One block fn, or one `Scan` (a NamedTuple, not a sequence of blocks):
     # params is the stacked tree itself.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,18 @@ class Storage:
     once per call with the segment's layout and returns the storage that
     serves it (itself, a copy holding what the layout decides, or another
     storage where this one does not apply).
+
+    A storage keeping each block's input as it is, in full:
+
+    >>> class Inputs(Storage):
+    ...     def save(self, layout, params, x, side):
+    ...         return layout.call(params, x, side), x
+    ...     def restore(self, layout, params, residual, g, side):
+    ...         return layout.vjp(params, residual, g, side)
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x * w), storage=Inputs())
+    >>> jax.grad(lambda w: stack(w, jnp.ones(2)).sum())(jnp.ones((3, 2))).shape
+    (3, 2)
     """
 
     #: Short name of where the residuals live (reported by `Reconstructed.storages`).
@@ -143,7 +155,20 @@ def cast_boundary(x: jax.Array, dtype) -> jax.Array:
 class BoundaryStorage(Storage):
     """A storage that keeps each block's input boundary (in ``dtype`` if
     given) and recomputes the block from it: subclasses say where with
-    `put` and `get`."""
+    `put` and `get`.
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Rounded(BoundaryStorage):
+    ...     def put(self, x):
+    ...         return cast_boundary(x, self.dtype)
+    ...     def get(self, stored, spec):
+    ...         return stored.astype(spec.dtype)
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x * w), storage=Rounded("bfloat16"))
+    >>> stack.storages(jnp.ones((3, 2)), jnp.ones(2))[0].dtype
+    dtype(bfloat16)
+    """
 
     dtype: Any = None
 
@@ -171,7 +196,8 @@ class OnDevice(BoundaryStorage):
     """Boundaries kept in device memory (in ``dtype`` if given, e.g. bf16 for
     an fp32 model); the backward recomputes every block from its boundary.
 
-    >>> stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x * w), storage=OnDevice())
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x * w), storage=OnDevice())
     >>> jax.grad(lambda w: stack(w, jnp.ones(2)).sum())(jnp.ones((3, 2))).shape
     (3, 2)
     """
@@ -223,8 +249,3 @@ def _no_tangent_jvp(storage, primals, tangents):
         f"the stack with {fix} (or storage=OnDevice() / Policy(...)) for higher-order derivatives."
     )
 
-
-def unbound(storage: Storage, name: Optional[str]) -> RuntimeError:
-    """The error for a storage used before `Storage.bind` gave it its layout."""
-    return RuntimeError(f"{type(storage).__name__} storage{'' if name is None else ' of ' + repr(name)} was "
-                        "used unbound: call bind(layout) first (the stack does)")

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import sys
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -31,6 +32,18 @@ def rel_err(a, b) -> float:
     """``||a - b|| / ||b||`` in float64 (``||b||`` floored at 1e-30)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_grads_close(got, want, rtol: float, atol: float) -> None:
+    """`chex.assert_trees_all_close` for gradient trees that may hold float0
+    leaves (the gradients of int, bool or PRNG-key params): those must match
+    in shape and dtype, the others in value."""
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+
+    def values(tree):
+        return jax.tree_util.tree_map(lambda a: None if a.dtype == jax.dtypes.float0 else a, tree)
+
+    chex.assert_trees_all_close(values(got), values(want), rtol=rtol, atol=atol)
 
 
 def has_gpu() -> bool:

@@ -109,7 +109,7 @@ def test_slotted_stack_gives_the_same_gradients_and_carry(kwargs):
     # themselves round-trip exactly: test_pack_unpack_round_trips_the_exact_bits).
     chex.assert_trees_all_close(g_slot, g_sep, rtol=2e-5, atol=1e-8)
     if not kwargs:  # and both are ordinary autodiff's gradients
-        want = jax.grad(lambda p: _loss(plain_stack(block, p, x)))(params)
+        want = jax.jit(jax.grad(lambda p: _loss(plain_stack(block, p, x))))(params)
         chex.assert_trees_all_close(g_slot[0], want, rtol=2e-5, atol=1e-7)
 
 
@@ -148,8 +148,8 @@ def test_heterogeneous_stack_and_too_small_params_fall_back():
             h = h * pl[1]["s"][i]
         return block(pl[2], h)
 
-    got = jax.grad(lambda pl: _loss(stack(pl, x)))(plist)
-    want = jax.grad(lambda pl: _loss(ref(pl)))(plist)
+    got = jax.jit(jax.grad(lambda pl: _loss(stack(pl, x))))(plist)
+    want = jax.jit(jax.grad(lambda pl: _loss(ref(pl))))(plist)
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-7)
 
 

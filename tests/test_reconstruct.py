@@ -440,3 +440,11 @@ def test_numpy_float64_input_is_canonicalised_like_jit_does():
     g = jax.grad(lambda p: jnp.sum(stack(p, x) ** 2))(params)
     ref = jax.grad(lambda p: jnp.sum(_plain(p, jnp.asarray(x)) ** 2))(params)
     chex.assert_trees_all_close(g, ref, rtol=0, atol=1e-5)
+
+
+def test_layout_errors_name_typed_key_params():
+    # Formatting the params of a failing block crashed on a typed key's dtype.
+    stack = eae_jax.reconstruct(lambda p, x: x @ p["w"])
+    params = {"w": jnp.ones((2, 3, 4)), "rng": jax.random.split(jax.random.key(0), 2)}
+    with pytest.raises(ValueError, match=r"\{\['rng'\]: key<fry>\[\], \['w'\]: float32\[3, 4\]\}"):
+        stack(params, jnp.ones((1, 3)))

@@ -49,8 +49,9 @@ The protocol, per segment and per call of the stack:
    the side input's shapes, its first boundary's index). The result serves
    the segment in both passes: ``self``, a copy holding what the shapes
    decide (`GradSlots` its slot plan, `Policy` its traced VJP), or another
-   storage where this one does not apply. This is where a storage would
-   read a segment's shardings to place its residuals under a mesh.
+   storage where this one does not apply. It is the one place a storage
+   learns its segment's shapes, and so where shardings would reach it to
+   place residuals under a mesh (a choice per mesh included).
 2. Forward, one block: ``save(layout, params, x, side) -> (y, residual)``.
 3. Backward, one block: ``restore(layout, params, residual, g, side) ->
    (param grads, input adjoint)``.

@@ -51,11 +51,9 @@ def _as_array(x):
 
 
 def _fmt(spec) -> str:
-    return f"{jnp.dtype(spec.dtype).name}{list(spec.shape)}" if not _is_key(spec) else f"{spec.dtype}{list(spec.shape)}"
-
-
-def _is_key(spec) -> bool:
-    return jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key)
+    # A typed PRNG key's dtype (key<fry>) is no numpy dtype.
+    is_key = jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key)
+    return f"{spec.dtype if is_key else jnp.dtype(spec.dtype).name}{list(spec.shape)}"
 
 
 def _tree_shapes(tree) -> str:

@@ -5,6 +5,8 @@ runs unchanged against any revision of the library) this records:
 
 * the compiled train step of a small decoder stack: `memory_analysis()`
   (temp, argument, output bytes) and the HLO instruction counts by opcode;
+* the compiled gradient of a small stack whose blocks read a side input
+  (temp bytes, HLO instructions);
 * a SHA-256 of the bits of everything a train step returns (loss, parameter
   and input gradients, the next pass state, the statistics) for a grid of
   small stacks: scanned, a list of single blocks, a heterogeneous stack
@@ -89,6 +91,21 @@ def decoder_compiled(kw) -> dict:
             "output_bytes": ma.output_size_in_bytes, "hlo_instructions": sum(ops.values()), "hlo_ops": ops}
 
 
+def side_compiled(kw) -> dict:
+    """Compiled gradient of a 6-block MLP stack whose blocks read a (512, 64) side input."""
+    import eae_jax
+
+    def block(p, h, gate):
+        return h + jnp.tanh(h @ p["w1"]) @ p["w2"] * gate
+
+    params = {"w1": jnp.full((6, 64, 256), 0.01), "w2": jnp.full((6, 256, 64), 0.01)}
+    x, gate = jnp.ones((512, 64)), jnp.linspace(0.0, 1.0, 512 * 64).reshape(512, 64)
+    stack = eae_jax.reconstruct(block, **kw)
+    compiled = jax.jit(jax.grad(lambda p, x, s: jnp.sum(stack(p, x, side=s)))).lower(params, x, gate).compile()
+    return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "hlo_instructions": sum(hlo_op_counts(compiled.as_text()).values())}
+
+
 def _mlp(p, h):
     return h + jnp.tanh(h @ p["w1"]) @ p["w2"] * p["s"]
 
@@ -158,6 +175,10 @@ def compare(before_path: str, after_path: str) -> int:
         print(f"{name:<18} {cells[0]:>18} {cells[1]:>18} {cells[2]:>18} {cells[3]:>14}  "
               f"{same}/{len(b['digests'])} identical")
         bad += same != len(b["digests"])
+        if "side_compiled" in b and "side_compiled" in a:
+            sb, sa = b["side_compiled"], a["side_compiled"]
+            print(f"{'':<18} with a side input: temp {sb['temp_bytes']}->{sa['temp_bytes']}, "
+                  f"HLO {sb['hlo_instructions']}->{sa['hlo_instructions']}")
         diff = {op: (b["compiled"]["hlo_ops"].get(op, 0), a["compiled"]["hlo_ops"].get(op, 0))
                 for op in set(b["compiled"]["hlo_ops"]) | set(a["compiled"]["hlo_ops"])
                 if b["compiled"]["hlo_ops"].get(op, 0) != a["compiled"]["hlo_ops"].get(op, 0)}
@@ -181,7 +202,8 @@ def main(argv=None) -> int:
               "eae_jax": eae_jax.__file__, "storages": {}}
     for name in names:
         kw = STORAGES[name]
-        row = {"kwargs": kw, "compiled": decoder_compiled(kw), "digests": grid_digests(kw)}
+        row = {"kwargs": kw, "compiled": decoder_compiled(kw), "side_compiled": side_compiled(kw),
+               "digests": grid_digests(kw)}
         result["storages"][name] = row
         c = row["compiled"]
         print(f"{name:<18} temp {c['temp_bytes']:>9} arg {c['argument_bytes']:>9} out {c['output_bytes']:>9} "

@@ -187,12 +187,6 @@ class Reconstructed:
         *layouts, _ = self._layouts(params, x, side)
         return [store.bind(lay) for store, lay in zip(self.storage, layouts)]
 
-    def _slot_plan(self, seg: Segment, params, x):
-        """The gradient-slot plan serving ``seg`` (None: stored otherwise).
-        Read by experiments/bench_child_jax.py until it reads `storages`."""
-        store = self.storages(params, x)[self.segments.index(seg)]
-        return getattr(store, "plan", None)
-
     # ------------------------------------------------------------------ carry
     def init(self, params, x, key: Optional[jax.Array] = None, side=None) -> carry_lib.AdjointCarry:
         """Build the carry: one pass state per boundary, step 0, stats slots.

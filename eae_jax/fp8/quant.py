@@ -120,7 +120,8 @@ def scale_from_amax(amax: jax.Array, dtype: Any = E4M3, margin: float = 0.0) -> 
       float32 array of ``amax``'s shape.
     """
     amax = jnp.asarray(amax, jnp.float32)
-    scale = amax * (2.0 ** margin) / fp8_max(dtype)
+    # One float32 constant factor (a division by a constant may be rewritten into a multiply, differently rounded).
+    scale = amax * np.float32(2.0 ** margin / fp8_max(dtype))
     good = jnp.isfinite(amax) & (amax > 0)
     # An amax below about 5e-36 gives a subnormal scale that flushes to 0 (1/scale = inf turns
     # zeros into NaN): clamp to the smallest normal float32, whose inverse is still finite.

@@ -21,14 +21,9 @@ _SCALINGS = ("current", "delayed")
 
 
 class Fp8State(NamedTuple):
-    """State of `fp8_quant` at one boundary.
-
-    Attributes:
-      scale: float32 scalar dequantization scale. With ``scaling='current'``
-        the one the last call used; with ``'delayed'`` the one the *next*
-        call will use (from ``amax_history``); 0 before the first call.
-      amax_history: float32 ``(history_len,)``, newest ``max|g|`` at index 0
-        (``(1,)`` for current scaling: the last amax).
+    """`fp8_quant`'s state: ``scale``, the dequantization scale the last call
+    used (current) or the next will use (delayed), 0 before any call; and
+    ``amax_history`` ``(history_len,)``, newest first (``(1,)`` when current).
 
     >>> Fp8State(jnp.zeros(()), jnp.zeros((1,))).amax_history.shape
     (1,)
@@ -51,22 +46,14 @@ def fp8_format_max(format: str) -> float:
 
 def fp8_quant(format: str = "e4m3", scaling: str = "current", history_len: int = 16,
               margin: int = 0) -> AdjointTransformation:
-    """Quantize the adjoint to float8 and dequantize it (real fp8 rounding).
-
-    In float32: ``q = cast_fp8(clip(g * (1 / scale), -fp8_max, fp8_max))``,
-    result ``float32(q) * scale`` in the adjoint's dtype, ``fp8_max`` 448
-    (``e4m3``) or 57344 (``e5m2``). The clip saturates what a stale scale
-    pushes out of range (e4m3fn has no inf); the cast rounds to nearest even
-    and is kept from being folded away (an optimization barrier).
-
-    Scaling: ``'current'`` takes ``scale = amax * 2**margin / fp8_max`` of
-    this adjoint. ``'delayed'`` (TransformerEngine style) takes it from the
-    maximum of the previous ``history_len`` calls' amaxes (the current one
-    while the history holds none), then pushes this amax (0 if not finite)
-    into the history and stores the next scale. An amax of 0 or non-finite
-    gives scale 1; scales stay in the normal float32 range, so a tiny
-    adjoint neither overflows nor flushes to zero. An empty adjoint passes
-    through unchanged and counts as an all-zero one.
+    """Quantize the adjoint to float8 and dequantize it (real fp8 rounding, kept
+    from being folded away): ``cast_fp8(clip(g * (1 / scale)))`` times
+    ``scale``, clipped to 448 (``e4m3``) or 57344 (``e5m2``). ``'current'``
+    scaling takes ``scale = amax * 2**margin / fp8_max`` of this adjoint;
+    ``'delayed'`` (TransformerEngine style) takes the max of the previous
+    ``history_len`` amaxes (this one while none), then records this amax (0
+    if not finite). A 0 or non-finite amax gives scale 1; an empty adjoint
+    passes through and counts as all zeros.
 
     >>> p = fp8_quant("e4m3")
     >>> g = jnp.array([448.0, 1.1])
@@ -74,9 +61,8 @@ def fp8_quant(format: str = "e4m3", scaling: str = "current", history_len: int =
     >>> out.tolist(), float(state.scale)
     ([448.0, 1.125], 1.0)
 
-    Raises:
-      ValueError: unknown format or scaling, bad ``history_len``/``margin``.
-      TypeError (at init): the adjoint spec is not a floating array spec.
+    Raises ValueError for an unknown format or scaling, a bad ``history_len``
+    or ``margin``; TypeError at init for a non-float adjoint.
     """
     fp8_format_max(format)  # validates the name
     if scaling not in _SCALINGS:

@@ -305,7 +305,7 @@ def test_block_fallback_takes_two_conditionals_per_layer(setup):
         return jax.jit(step).lower(bound.params(params)).compile().as_text().count(" conditional(")
 
     # one cond per decision in the forward scan body and one in the reverse
-    # scan body, where the recomputation's cond is dead code (decide_once)
+    # scan body, where the recomputation's cond is dead code (seams._decide_once)
     assert conds(bound) == 2 and conds(bound.with_fallback("step")) == 0
 
 

@@ -118,7 +118,7 @@ def _seen(state, code=-1, act=None, grad=None, weight=None):
 
     gemm = O.emit(o.gemm, {"grad": arr(grad, state.grad_scales), "weight": arr(weight, state.grad_scales)},
                   jnp.ones(o.gemm.calls.shape))
-    return S.Observed(O.emit(o.counts, S.call_counts(jnp.int32(code))), O.emit(o.act, arr(act, state.scales)), gemm)
+    return S.Observed(O.emit(o.counts, S._call_counts(jnp.int32(code))), O.emit(o.act, arr(act, state.scales)), gemm)
 
 
 def _fold(state, cot, recipe=fp8.Recipe(), detach_after=32):
@@ -191,7 +191,7 @@ def test_step_fallback_moves_fp8_calls_and_drops_gemm_observations():
     st = S.new_state(1, 1)
     seen = S.observations(st, _seen(st, -1, grad=(2.0,), weight=(3.0,)))
     for bad in (False, True):
-        out = S.as_step_fallback(seen, jnp.bool_(bad))
+        out = S._as_step_fallback(seen, jnp.bool_(bad))
         assert float(out["counts"]["fp8_calls"]) == (0.0 if bad else 1.0)
         assert float(out["counts"]["reasons"][S.reason_index("step")]) == (1.0 if bad else 0.0)
         assert out["gemm"]["grad"].tolist() == [0.0 if bad else 2.0]

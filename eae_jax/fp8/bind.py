@@ -1,13 +1,9 @@
-"""Calibration and the parity gate: `bind` for one seam, `bind_block` for
-every layer of a (stacked) decoder block.
+"""Calibration and the parity gate: `bind` (one seam), `bind_block` (every
+layer of a block, each on what the high-precision stack feeds it).
 
-Calibration measures the amax at each quantization point on real inputs,
-reduces it across samples at a percentile and derives the static e4m3
-scales ``amax / 448``; the gate compares the fp8 seam with the
-high-precision one on every sample (at the block output, residual
-included, where there is one) and refuses it under ``gate_cos``
-(`GateRefused`, naming the worst). A block's layer i is calibrated and
-gated on what the high-precision stack feeds it.
+Static e4m3 scales are ``amax / 448`` of real inputs (reduced across samples
+at a percentile); the gate compares the fp8 seam with the high-precision
+one on every sample and refuses it under ``gate_cos`` (`GateRefused`).
 """
 
 from __future__ import annotations
@@ -27,14 +23,18 @@ from eae_jax.fp8 import seams as sl
 from eae_jax.fp8 import state as st
 from eae_jax.fp8.quant import E4M3, scale_from_amax
 from eae_jax.fp8.seams import FrozenParams, Seam, apply, apply_with_ledger, cast_weights, fold_state, fp8_forward, \
-    freeze, high_precision, init_state, seam_dims, split_output
+    freeze, high_precision, init_state, seam_dims, _split_output
 from eae_jax.fp8.state import GateRefused, SeamState
 
 
 class Certification(NamedTuple):
     """What `bind` measured and promised: scales (bound, calibrated), amax per
     point, the samples, the gate's cosines (block boundary and bare) and
-    threshold, the largest saturated fraction."""
+    threshold, the largest saturated fraction.
+
+    >>> "worst_cos" in Certification._fields
+    True
+    """
 
     seam: str
     kind: str
@@ -75,7 +75,13 @@ def _reduce_amax(amax: Any, percentile: float) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class BoundSeam:
     """A seam bound to calibrated scales: ``seam``, its initial ``state``,
-    ``certification`` and a host-side `LedgerMonitor`."""
+    ``certification`` and a host-side `LedgerMonitor`.
+
+    >>> from eae_jax.fp8 import out_proj_seam
+    >>> b = bind(out_proj_seam(), {"wo": jnp.eye(2)}, jnp.ones((2, 2)), gate_cos=0)
+    >>> b.report(b.fold(b.state, b.apply_with_ledger(b.state, {"wo": jnp.eye(2)}, jnp.ones((1, 2)))[1]))[0]["calls"]
+    1
+    """
 
     seam: Seam
     state: SeamState
@@ -93,7 +99,7 @@ class BoundSeam:
     def fp8(self, params: Any, x: jax.Array, state: Optional[SeamState] = None):
         """The unguarded fp8 computation (`fp8_forward`) with the bound or given state."""
         s = state or self.state
-        return split_output(self.seam, params, fp8_forward(self.seam, params, x, s.scales,
+        return _split_output(self.seam, params, fp8_forward(self.seam, params, x, s.scales,
                                                            s.weight_scales if self.seam.recipe.weight == "delayed"
                                                            else None, s.cast))
 
@@ -209,18 +215,12 @@ def bind(seam: Seam, params: Any, calibration_inputs: Any, residuals: Any = None
 
 def _resolve_seams(seams) -> Dict[str, sl.Seam]:
     """`bind_block`'s ``seams``: None (all), names, or a name -> `Seam` dict."""
-    if seams is None:
-        return bl.block_seams()
-    if isinstance(seams, str):
-        return bl.block_seams((seams,))
+    names = bl.SEAM_NAMES if seams is None else [seams] if isinstance(seams, str) else list(seams)
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"seams must be seam names or a dict name -> Seam, got {seams!r}")
     if not isinstance(seams, Mapping):
-        names = list(seams)
-        if not all(isinstance(n, str) for n in names):
-            raise ValueError(f"seams must be seam names or a dict name -> Seam, got {seams!r}")
         return bl.block_seams(names)
-    unknown = [n for n in seams if n not in bl.SEAM_NAMES]
-    if unknown:
-        raise ValueError(f"unknown block seam(s) {unknown}; expected a subset of {bl.SEAM_NAMES}")
+    bl.block_seams(names)  # names them if unknown
     bad = [n for n, v in seams.items() if not isinstance(v, sl.Seam)]
     if bad:
         raise ValueError(f"seams {bad} are not Seam objects (make them with block_seams / ffn_seam ...)")
@@ -299,7 +299,7 @@ def bind_block(cfg: BlockConfig, params: Any, calibration_inputs: Any,
     def raw_runner(sc, fp8_names):
         def runner(name, sub, h):
             if name in fp8_names:
-                return sl.split_output(seams[name], sub, sl.fp8_forward(seams[name], sub, h, sc[name]))
+                return sl._split_output(seams[name], sub, sl.fp8_forward(seams[name], sub, h, sc[name]))
             return bl._hp(name, sub, h)
         return runner
 

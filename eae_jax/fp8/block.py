@@ -1,13 +1,9 @@
 """Decoder blocks with fp8 seams (`eae_jax.fp8.bind_block` binds them).
 
-A `BoundBlock`'s ``block_fn()`` is the pure ``block(p, x)``, ``p =
-{'params': <block params>, 'fp8': <seam states>}``, of
-`eae_jax.blocks.decoder_block` with its FFN and attention projections
-routed through the seams (its high-precision path is the plain block bit
-for bit); it plugs into `eae_jax.reconstruct` and scans (states carry the
-depth axis). Fallback granularity: ``'block'`` (one ``lax.cond`` per block
-call runs the whole block in high precision when any seam's check failed)
-or ``'step'`` (no cond: the train step decides, `BoundBlock.fold_step`).
+``block(p, x)``, ``p = {'params', 'fp8'}``, is `eae_jax.blocks.decoder_block`
+with its FFN and projections routed through the seams (its high-precision
+path is the plain block bit for bit). Fallback: ``'block'`` (one
+``lax.cond`` per block call) or ``'step'`` (the train step decides).
 """
 
 from __future__ import annotations
@@ -108,27 +104,27 @@ def _attempt(cfg, seams, states, params, x, monitor, own_codes):
     def runner(name, sub, h):
         if name not in seams:
             return _hp(name, sub, h)
-        attempts[name] = a = sl.attempt(seams[name], states[name], sub, h, monitor)
-        return sl.split_output(seams[name], sub, a.y)
+        attempts[name] = a = sl._attempt(seams[name], states[name], sub, h, monitor)
+        return sl._split_output(seams[name], sub, a.y)
 
     y8 = _inner_block(cfg, runner)(params, x)
-    checked = [n for n, a in attempts.items() if a.trace_reason is None and sl.can_fall_back(seams[n])]
+    checked = [n for n, a in attempts.items() if a.trace_reason is None and sl._can_fall_back(seams[n])]
     bad = functools.reduce(jnp.logical_or, [attempts[n].code >= 0 for n in checked], jnp.zeros((), jnp.bool_))
     block_code = jnp.where(bad, st.reason_index("block"), -1)
     aux = {}
     for n, a in attempts.items():
         code = a.code if own_codes or n not in checked else jnp.where(a.code >= 0, a.code, block_code)
-        aux[n] = (st.call_counts(code), a.amax)
+        aux[n] = (st._call_counts(code), a.amax)
     return y8, (bad if checked and not own_codes else None, aux)
 
 
 def _run(cfg, seams, params, x, states, monitor, fallback):
     params, x = _cast(cfg, params), x.astype(cfg.compute_dtype) if cfg.compute_dtype is not None else x
     attempt_fn = functools.partial(_attempt, cfg, seams, monitor=monitor, own_codes=fallback == "step")
-    if fallback == "step" or not any(sl.can_fall_back(s) for s in seams.values()):
+    if fallback == "step" or not any(sl._can_fall_back(s) for s in seams.values()):
         y, (_, aux) = attempt_fn(states, params, x)
         return y, aux
-    return sl.decide_once(lambda p, h, s: attempt_fn(s, p, h), _inner_block(cfg, _hp))(params, x, states)
+    return sl._decide_once(lambda p, h, s: attempt_fn(s, p, h), _inner_block(cfg, _hp))(params, x, states)
 
 
 def _check_p(p, seams):
@@ -155,7 +151,7 @@ def fp8_block(cfg: BlockConfig, seams: Dict[str, sl.Seam], monitor=None, fallbac
         _check_p(p, seams)
         y, aux = _run(cfg, seams, p["params"], x, p["fp8"], monitor, fallback)
         for n in seams:
-            y = sl.report_call(y, p["fp8"][n], aux[n])
+            y = sl._report_call(y, p["fp8"][n], aux[n])
         return y
 
     block.__name__ = f"fp8_block_{'_'.join(seams) or 'none'}"
@@ -175,7 +171,7 @@ def fp8_block_with_ledger(cfg: BlockConfig, seams: Dict[str, sl.Seam], monitor=N
     def block(p, x):
         _check_p(p, seams)
         y, aux = _run(cfg, seams, p["params"], x, p["fp8"], monitor, fallback)
-        return y, {n: sl.observed_of(p["fp8"][n], aux[n]) for n in seams}
+        return y, {n: sl._observed_of(p["fp8"][n], aux[n]) for n in seams}
 
     return block
 
@@ -224,7 +220,14 @@ class BoundBlock:
     """A decoder block with bound seams: ``cfg``, ``seams`` (name -> `Seam`),
     ``state`` (name -> `SeamState`, depth axis first), ``certification`` (name
     -> dict of dims, per-layer scales and cosines, gate), a `LedgerMonitor`
-    and the ``fallback``."""
+    and the ``fallback``.
+
+    >>> from eae_jax.blocks import BlockConfig
+    >>> cfg, seams = BlockConfig(dim=8, num_heads=2, num_kv_heads=1, ffn_hidden_dim=16), block_seams(("o",))
+    >>> b = BoundBlock(cfg, seams, init_block_state(seams, 2), {})
+    >>> b.report(b.state)[1]["seam"]
+    'o[1]'
+    """
 
     cfg: BlockConfig
     seams: Dict[str, sl.Seam]
@@ -285,7 +288,7 @@ class BoundBlock:
         seen = {n: st.observations(state[n], cots[n]) for n in self.seams}
         bad = functools.reduce(jnp.logical_or, [jnp.any(st.own_fallbacks(s) > 0) for s in seen.values()],
                                jnp.zeros((), jnp.bool_))
-        new = {n: st.fold(s.recipe, s.guard.detach_after, state[n], st.as_step_fallback(seen[n], bad))
+        new = {n: st.fold(s.recipe, s.guard.detach_after, state[n], st._as_step_fallback(seen[n], bad))
                for n, s in self.seams.items()}
         if notify:
             self.monitor.notify(new)

@@ -27,8 +27,7 @@ from eae_jax.dtypes import FP8_DTYPES, FP8_FORMATS, fp8_dtype
 E4M3 = FP8_FORMATS["e4m3"]
 E5M2 = FP8_FORMATS["e5m2"]
 
-#: Output dtypes of the fp8 GEMM. float16 is not one: the GEMM accumulates
-#: unscaled codes (e4m3 products reach 448**2 each), beyond float16's range.
+#: Output dtypes of the fp8 GEMM (not float16: unscaled e4m3 products reach 448**2 each).
 GEMM_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
@@ -103,8 +102,7 @@ def fp8_matmul(a: jax.Array, b: jax.Array, out_dtype: Any, precise: bool = False
 
 
 def _gemm_out(dtype: Any) -> jnp.dtype:
-    dtype = jnp.dtype(dtype)
-    return dtype if dtype in GEMM_OUT_DTYPES else jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype) if jnp.dtype(dtype) in GEMM_OUT_DTYPES else jnp.dtype(jnp.float32)
 
 
 def _round_up_to_bf16(v: jax.Array) -> jax.Array:
@@ -187,7 +185,7 @@ def _blocks(w: Any) -> Tuple[jax.Array, ...]:
     return tuple(w) if isinstance(w, (tuple, list)) else (w,)
 
 
-def _check_2d(blocks) -> None:
+def _check_2d(blocks) -> None:  # ValueError unless every block is (out, in)
     if any(b.ndim != 2 for b in blocks):
         raise ValueError(f"a linear weight must be (out, in), got shapes {[b.shape for b in blocks]}")
 
@@ -372,16 +370,13 @@ def fp8_linear(x: jax.Array, w: Any, x_scale: Any, *, grad_scale: Any = None,
         raise ValueError("fp8_linear: activations have no rows (shape (0, K)); skip the call for an empty batch")
     if not isinstance(w, (LiveWeight, CastWeight, FrozenWeight)):
         w = LiveWeight(_blocks(w))
-    if isinstance(w, FrozenWeight):
-        shapes = [w.q.shape]
-    else:
-        shapes = [b.shape for b in w.blocks]
-        if not w.blocks or len({b.dtype for b in w.blocks}) != 1 or not all(_floating(b) for b in w.blocks):
-            raise ValueError(f"fp8_linear: a live weight must be one or more float32/bfloat16/float16 arrays of one "
-                             f"dtype (it is quantized here), got {[str(b.dtype) for b in w.blocks]}")
-    for shape in shapes:
-        if len(shape) != 2 or shape[1] != x.shape[1]:
-            raise ValueError(f"fp8_linear: activations {x.shape} do not fit weight {tuple(shape)} (out, in)")
+    shapes = [w.q.shape] if isinstance(w, FrozenWeight) else [b.shape for b in w.blocks]
+    if not isinstance(w, FrozenWeight) and (not w.blocks or len({b.dtype for b in w.blocks}) != 1
+                                            or not all(_floating(b) for b in w.blocks)):
+        raise ValueError(f"fp8_linear: a live weight must be one or more float32/bfloat16/float16 arrays of one "
+                         f"dtype (it is quantized here), got {[str(b.dtype) for b in w.blocks]}")
+    if any(len(shape) != 2 or shape[1] != x.shape[1] for shape in shapes):
+        raise ValueError(f"fp8_linear: activations {x.shape} do not fit weight {shapes} (out, in)")
     if isinstance(w, CastWeight):
         rows = sum(s[0] for s in shapes)
         if w.q.shape != (rows, x.shape[1]) or w.q.dtype != E4M3 or jnp.shape(w.amax) != () or jnp.shape(w.scale):

@@ -1,13 +1,10 @@
 """fp8 seams: replaceable GEMM regions of a block, and their guarded calls.
 
-A `Seam` names a region, the weights it multiplies and its `Recipe`, `Guard`
-and `Contract`: `ffn_seam` (SwiGLU, gate and up as one GEMM; quantized at
-its input and at the down-projection input) or `dense_seam` (linears
-sharing an input as one GEMM: `qkv_seam`, `out_proj_seam`). `apply` is
-guarded: trace-time problems trace the high-precision path; value problems
-(non-finite input, saturation, a detached seam) swap in the high-precision
-result through one ``lax.cond`` whose decision the backward keeps
-(`decide_once`). Everything observed leaves through the state's handles.
+A `Seam` names a region (`ffn_seam`: SwiGLU, gate and up as one GEMM;
+`dense_seam`: linears sharing an input, `qkv_seam`, `out_proj_seam`), its
+weights and its `Recipe`, `Guard` and `Contract`. `apply` traces the
+high-precision path for trace-time problems and swaps it in through one
+``lax.cond`` (whose decision the backward keeps) for value problems.
 """
 
 from __future__ import annotations
@@ -119,7 +116,11 @@ def out_proj_seam(name: str = "o", **fields) -> Seam:
 
 class FrozenParams(NamedTuple):
     """Params with weights quantized once (`freeze`): ``hp`` (for the fallback)
-    and ``fp8``, a `FrozenWeight` per GEMM."""
+    and ``fp8``, a `FrozenWeight` per GEMM.
+
+    >>> FrozenParams({}, ())._fields
+    ('hp', 'fp8')
+    """
 
     hp: dict
     fp8: tuple
@@ -163,7 +164,7 @@ def _widths(seam: Seam, params: Any) -> Tuple[int, int]:
     return (d["D"], d["D"]) if seam.kind == "swiglu" else (d["K"], sum(d["N"]))
 
 
-def split_output(seam: Seam, params: Any, y: jax.Array):
+def _split_output(seam: Seam, params: Any, y: jax.Array):
     """A dense seam's fused output split per weight (one array for one weight)."""
     if seam.kind == "swiglu" or len(seam.weights) == 1:
         return y
@@ -343,17 +344,14 @@ def cosine(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------- guarded calls
-class Attempt(NamedTuple):
-    """One call's fp8 attempt: ``y`` (high precision if ``trace_reason``), ``code``
-    (-1 or the `REASONS` index to fall back for), ``amax`` per point."""
-
+class _Attempt(NamedTuple):  # code: -1, or the REASONS index to fall back for
     y: jax.Array
     code: jax.Array
     amax: jax.Array
     trace_reason: Optional[int]
 
 
-def check_state(seam: Seam, state: Any) -> None:
+def _check_state(seam: Seam, state: Any) -> None:
     """Refuse a state that is not one instance of this seam's (ValueError naming
     the field; a stacked per-layer state is named as such)."""
     if not isinstance(state, SeamState):
@@ -368,7 +366,7 @@ def check_state(seam: Seam, state: Any) -> None:
             raise ValueError(f"seam {seam.name!r}: state.{field} has shape {got}, expected {shape}{hint}")
 
 
-def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=None) -> Attempt:
+def _attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=None) -> _Attempt:
     """The fp8 path with its checks, not falling back. Trace-time problems trace
     the high-precision path (strict: `GuardRefused`); value problems only set
     ``code``: the checks reduce the values being quantized (XLA fuses them)
@@ -386,7 +384,7 @@ def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=Non
                                f"{problem[1]}")
         if monitor is not None:
             monitor.trace_fallback(seam.name, *problem)
-        return Attempt(high_precision(seam, params, x), jnp.int32(st.reason_index(problem[0])),
+        return _Attempt(high_precision(seam, params, x), jnp.int32(st.reason_index(problem[0])),
                        jnp.zeros((seam.points,), jnp.float32), st.reason_index(problem[0]))
     if state.cast is not None:
         _check_cast(seam, params, state.cast)
@@ -405,21 +403,21 @@ def attempt(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=Non
             code = jnp.where((code < 0) & (sat_h > g.saturation_threshold), st.reason_index("hidden_saturation"), code)
     y8 = y2.reshape(x.shape[:-1] + (y2.shape[-1],))
     if not g.check_values:
-        return Attempt(y8, no_fallback, amax, None)
+        return _Attempt(y8, no_fallback, amax, None)
     code = jnp.where(~jnp.isfinite(amax_in), st.reason_index("nonfinite"), code).astype(jnp.int32)
     if g.strict:  # nothing falls back: the call ran fp8 or the host raises
         st.strict_check(seam.name, code)
-        return Attempt(y8, no_fallback, amax, None)
-    return Attempt(y8, jnp.where(state.ledger.detached > 0, st.reason_index("detached"), code).astype(jnp.int32),
+        return _Attempt(y8, no_fallback, amax, None)
+    return _Attempt(y8, jnp.where(state.ledger.detached > 0, st.reason_index("detached"), code).astype(jnp.int32),
                    amax, None)
 
 
-def can_fall_back(seam: Seam) -> bool:
+def _can_fall_back(seam: Seam) -> bool:
     """Whether a seam's attempt can ask for a fallback in the graph."""
     return seam.guard.check_values and not seam.guard.strict
 
 
-def decide_once(attempt_fn, high_precision_fn):
+def _decide_once(attempt_fn, high_precision_fn):
     """``f(params, x, states) -> (y, aux)`` deciding once forward and once
     backward: ``y = y8`` of ``attempt_fn(params, x, states) -> (y8, (bad,
     aux))`` unless ``bad`` (None: nothing to decide), else
@@ -458,17 +456,17 @@ def decide_once(attempt_fn, high_precision_fn):
 def _guarded(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor):
     """``(fused output, (call counts, amax))`` of one guarded call."""
     def attempt_fn(p, h, s):
-        a = attempt(seam, s, p, h, monitor)
-        bad = None if a.trace_reason is not None or not can_fall_back(seam) else a.code >= 0
-        return a.y, (bad, (st.call_counts(a.code), a.amax))
+        a = _attempt(seam, s, p, h, monitor)
+        bad = None if a.trace_reason is not None or not _can_fall_back(seam) else a.code >= 0
+        return a.y, (bad, (st._call_counts(a.code), a.amax))
 
-    if not can_fall_back(seam):
+    if not _can_fall_back(seam):
         y, (_, aux) = attempt_fn(params, x, state)
         return y, aux
-    return decide_once(attempt_fn, functools.partial(high_precision, seam))(params, x, state)
+    return _decide_once(attempt_fn, functools.partial(high_precision, seam))(params, x, state)
 
 
-def report_call(y: jax.Array, state: SeamState, aux) -> jax.Array:
+def _report_call(y: jax.Array, state: SeamState, aux) -> jax.Array:
     """``y``, reporting one call's ``(counts, amax)`` through ``state``'s handles."""
     counts, amax = aux
     return obs_lib.observe(obs_lib.observe(y, state.observed.counts, counts), state.observed.act, amax)
@@ -484,12 +482,12 @@ def apply(seam: Seam, state: SeamState, params: Any, x: jax.Array, monitor=None)
     >>> apply(seam, init_state(seam, [2.0 ** -8]), p, jnp.ones((1, 2))).tolist()
     [[3.5, 3.5]]
     """
-    check_state(seam, state)
+    _check_state(seam, state)
     y, aux = _guarded(seam, state, params, x, monitor)
-    return split_output(seam, params, report_call(y, state, aux))
+    return _split_output(seam, params, _report_call(y, state, aux))
 
 
-def observed_of(state: SeamState, aux) -> st.Observed:
+def _observed_of(state: SeamState, aux) -> st.Observed:
     """The `Observed` cotangent of one call's ``(counts, amax)`` without a backward."""
     counts, amax = aux
     o = state.observed
@@ -505,9 +503,9 @@ def apply_with_ledger(seam: Seam, state: SeamState, params: Any, x: jax.Array, m
     >>> fold_state(seam, s, apply_with_ledger(seam, s, p, jnp.ones((1, 2)))[1]).ledger.fp8_calls
     Array(1., dtype=float32)
     """
-    check_state(seam, state)
+    _check_state(seam, state)
     y, aux = _guarded(seam, state, params, x, monitor)
-    return split_output(seam, params, y), observed_of(state, aux)
+    return _split_output(seam, params, y), _observed_of(state, aux)
 
 
 def fold_state(seam: Seam, state: SeamState, cot: Any) -> SeamState:

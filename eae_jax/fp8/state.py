@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -31,11 +32,19 @@ GRAD_SCALINGS = ("current", "delayed")
 
 class GuardRefused(RuntimeError):
     """A seam was called outside its contract and could not (or, strict, was
-    not allowed to) fall back."""
+    not allowed to) fall back.
+
+    >>> issubclass(GuardRefused, RuntimeError)
+    True
+    """
 
 
 class GateRefused(RuntimeError):
-    """A bound fp8 seam missed its parity gate; ``worst`` holds the worst cosine."""
+    """A bound fp8 seam missed its parity gate; ``worst`` holds the worst cosine.
+
+    >>> GateRefused("refused", 0.99).worst
+    0.99
+    """
 
     def __init__(self, message: str, worst: float):
         super().__init__(message)
@@ -43,7 +52,11 @@ class GateRefused(RuntimeError):
 
 
 class Fp8FallbackWarning(RuntimeWarning):
-    """A seam ran its high-precision path, or detached itself."""
+    """A seam ran its high-precision path, or detached itself.
+
+    >>> issubclass(Fp8FallbackWarning, RuntimeWarning)
+    True
+    """
 
 
 class Recipe(NamedTuple):
@@ -144,12 +157,9 @@ def _platform_problem(contract: Contract, x) -> Optional[str]:
     if contract.platforms is not None and not {platform, "gpu" if platform in ("cuda", "rocm") else platform} \
             & set(contract.platforms):
         return f"platform {platform!r} not in {contract.platforms}"
-    cc = getattr(device, "compute_capability", None) if platform in ("gpu", "cuda") else None
-    try:
-        if cc is not None and float(cc) < contract.min_compute_capability:
-            return f"GPU compute capability {cc} has no fp8 tensor cores (needs >= {contract.min_compute_capability})"
-    except (TypeError, ValueError):
-        pass
+    cc = str(getattr(device, "compute_capability", "")) if platform in ("gpu", "cuda") else ""
+    if re.fullmatch(r"\d+(\.\d+)?", cc) and float(cc) < contract.min_compute_capability:
+        return f"GPU compute capability {cc} has no fp8 tensor cores (needs >= {contract.min_compute_capability})"
     return None
 
 
@@ -314,7 +324,7 @@ def new_state(points: int, gemms: int, scales: Any = None, weight_scales: Any = 
                      ledger, Observed(counts, obs_lib.handle(z((points,)), "max"), gemm))
 
 
-def call_counts(code: jax.Array) -> Dict[str, jax.Array]:
+def _call_counts(code: jax.Array) -> Dict[str, jax.Array]:
     """The counts one call adds: ``code`` -1 when fp8 ran, else a `REASONS` index."""
     code = jnp.asarray(code, jnp.int32)
     # calls derived from code, so that under vmap it is batched like the others
@@ -379,11 +389,15 @@ def fold(recipe: Recipe, detach_after: Optional[int], state: SeamState, seen: Di
 
 
 def own_fallbacks(seen: Dict[str, Any]) -> jax.Array:
-    """Per seam instance: calls that failed a check of their own in the graph."""
+    """Per seam instance: calls that failed a check of their own in the graph.
+
+    >>> own_fallbacks({"counts": {"reasons": jnp.eye(9)[0]}})
+    Array(1., dtype=float32)
+    """
     return sum(seen["counts"]["reasons"][..., i] for i in OWN_VALUE)
 
 
-def as_step_fallback(seen: Dict[str, Any], bad: jax.Array) -> Dict[str, Any]:
+def _as_step_fallback(seen: Dict[str, Any], bad: jax.Array) -> Dict[str, Any]:
     """`observations` of a step that is dropped (``bad``): fp8 calls count as
     fallbacks with reason ``'step'``, gradient and weight amaxes are dropped."""
     counts = dict(seen["counts"])
@@ -443,25 +457,18 @@ class LedgerMonitor:
     def observe(self, entries: List[Dict[str, Any]]) -> None:
         """Warn about the reasons and detachments in `report` entries."""
         for e in entries:
-            for reason, n in e["by_reason"].items():
-                if reason != "detached":
-                    why = "because another seam of the same block call fell back" if reason == "block" \
-                        else f"({reason})"
-                    self._say((e["seam"], reason), f"eae_jax.fp8: seam {e['seam']!r} fell back to high precision "
-                              f"{why}; {n} such call(s) so far. Further ones are counted in report(), not said.")
+            for reason, n in ((r, n) for r, n in e["by_reason"].items() if r != "detached"):
+                why = "because another seam of the same block call fell back" if reason == "block" else f"({reason})"
+                self._say((e["seam"], reason), f"eae_jax.fp8: seam {e['seam']!r} fell back to high precision {why}; "
+                          f"{n} such call(s) so far. Further ones are counted in report(), not said.")
             if e["detached"]:
                 self._say((e["seam"], "detached"), f"eae_jax.fp8: seam {e['seam']!r} fell back {e['consecutive']} "
                           f"times in a row (last: {e['last_reason']}) and has detached itself for good: it now "
                           "always runs high precision.")
 
     def notify(self, states: Dict[str, SeamState]) -> None:
-        """From inside a traced step: one ``jax.debug.callback`` handing the
-        (stacked) states to `observe` on the host."""
-        jax.debug.callback(self._observe_states, states)
-
-    def _observe_states(self, states) -> None:
-        for name, st in states.items():
-            self.observe(report(st, name))
+        """From a traced step: one ``jax.debug.callback`` handing the states to `observe`."""
+        jax.debug.callback(lambda sts: self.observe([e for n, s in sts.items() for e in report(s, n)]), states)
 
 
 def _raise_strict(seam: str, code) -> None:

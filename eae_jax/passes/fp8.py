@@ -21,9 +21,8 @@ _SCALINGS = ("current", "delayed")
 
 
 class Fp8State(NamedTuple):
-    """`fp8_quant`'s state: ``scale``, the dequantization scale the last call
-    used (current) or the next will use (delayed), 0 before any call; and
-    ``amax_history`` ``(history_len,)``, newest first (``(1,)`` when current).
+    """``scale``: the dequantization scale the last call used (current) or the
+    next will (delayed); ``amax_history``: newest first (``(1,)`` when current).
 
     >>> Fp8State(jnp.zeros(()), jnp.zeros((1,))).amax_history.shape
     (1,)

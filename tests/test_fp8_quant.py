@@ -225,6 +225,12 @@ def test_frozen_weight_backward_folds_its_channel_scale_into_the_gradient():
     ref = (g1 @ np.asarray(frozen.q.astype(jnp.float32), np.float64)) * np.float64(s1)
     assert rel_err(dx, ref) < 1e-5
     assert not np.any(np.asarray(dfrozen.q, np.float32)) and not np.any(np.asarray(dfrozen.scale))
+    # delayed: the given scale times the largest folded factor
+    gs = np.float32(np.abs(np.asarray(g)).max() / 3 / 57344.0)  # a third of the range: the top saturates
+    dx_d = jax.vjp(lambda a: fp8.fp8_linear(a, frozen, xs, grad_scale=gs), x)[1](g)[0]
+    s2 = gs * np.float32(ws.max())
+    ref_d = (_q(np.asarray(g) * ws[None, :], s2, E5M2) @ np.asarray(frozen.q.astype(jnp.float32), np.float64)) * s2
+    assert rel_err(dx_d, ref_d) < 1e-5 and rel_err(ref_d, ref) > 1e-2
     # the frozen forward is the live per-channel one
     chex.assert_trees_all_equal(fp8.fp8_linear(x, frozen, xs), fp8.fp8_linear(x, w, xs))
 

@@ -38,12 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fp8_scaling": "activation scaling of the fp8 seams: delayed | static | row",
         "fp8_fallback": "where a failed fp8 check falls back to high precision: step (default; no cond: a step "
                         "with a failed check is dropped and rerun in high precision) | block (the whole block "
-                        "call: one lax.cond per block) | seam (that seam call: one lax.cond per seam)",
+                        "call: one lax.cond per block)",
         "fp8_grad_scaling": "e5m2 scales of the fp8 seams' gradients: delayed (default; from the previous step's, "
                             "the first step runs current to observe them) | current (from each gradient's own amax)",
         "fp8_weight_scaling": "e4m3 scales of the fp8 seams' weights: delayed (default; one per weight from the "
                               "previous step's amax: no reduction before the quantization) | channel (one per "
-                              "output channel, the most accurate) | tensor (one per weight from its current amax)",
+                              "output channel, the most accurate)",
         "passes": "adjoint pass chain, e.g. 'int8,clip=1.0' or 'topk(0.9, error_feedback=false),stats': "
                   "every pass below, by name, with its hyper-parameters",
         "policy": "reconstruct policy: boundaries | dots | dots_all | everything",

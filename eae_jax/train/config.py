@@ -9,9 +9,7 @@ from typing import Optional
 
 from eae_jax.blocks.transformer import BlockConfig
 from eae_jax.dtypes import DTypePolicy
-from eae_jax.fp8.block import FALLBACKS
-from eae_jax.fp8.quant import WEIGHT_SCALINGS
-from eae_jax.fp8.seams import GRAD_SCALINGS, SCALINGS
+from eae_jax.fp8 import ACTIVATION_SCALINGS, FALLBACKS, GRAD_SCALINGS, WEIGHT_SCALINGS
 from eae_jax.models.llama import LMConfig
 
 #: Model and batch presets. ``tiny`` trains in seconds on a laptop CPU.
@@ -133,7 +131,7 @@ class TrainConfig:
 
             resolve_policy(self.policy)  # "unknown policy ..."
         parse_passes(self.passes)  # a bad --passes fails here, before a model is built
-        for field, valid in (("fp8_scaling", SCALINGS), ("fp8_fallback", FALLBACKS),
+        for field, valid in (("fp8_scaling", ACTIVATION_SCALINGS), ("fp8_fallback", FALLBACKS),
                              ("fp8_grad_scaling", GRAD_SCALINGS), ("fp8_weight_scaling", WEIGHT_SCALINGS)):
             value = getattr(self, field)
             if value not in valid:

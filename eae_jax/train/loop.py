@@ -63,8 +63,7 @@ def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array, source: Opti
 
     tokens = make_batches(key, source, cfg.batch // cfg.microbatches, cfg.seq_len, model.vocab_size)[:, :-1]
     x0 = embed(params["embed"], tokens, model.block.compute_dtype)
-    seams = fp8.policy_seams(cfg.policy_obj, config=fp8.SeamConfig(act_scaling=cfg.fp8_scaling,
-                                                                           weight_scaling=cfg.fp8_weight_scaling))
+    seams = fp8.policy_seams(cfg.policy_obj, activation=cfg.fp8_scaling, weight=cfg.fp8_weight_scaling)
     return fp8.bind_block(model.block, params["blocks"], [x0], seams, fallback=cfg.fp8_fallback)
 
 
@@ -101,7 +100,7 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
     # Delayed weight scales: the weights are cast to fp8 once for a
     # microbatch's forward and recomputation (same results bit for bit as
     # quantizing them in every block call, half the weight passes).
-    cast = bound_fp8 is not None and any(sm.config.weight_scaling == "delayed" for sm in bound_fp8.seams.values())
+    cast = bound_fp8 is not None and any(sm.recipe.weight == "delayed" for sm in bound_fp8.seams.values())
 
     def loss_fn(params, fp8_state, carry, tokens):
         logits = stack(segment_params(params, fp8_state if bound_fp8 is not None else None, model),
@@ -171,11 +170,12 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
 
 
 def _add_observations(acc, g_fp8):
-    """Combine microbatches' fp8 observations per seam (`eae_jax.fp8.combine_observations`:
-    counts add up, every amax takes the maximum)."""
-    from eae_jax.fp8 import combine_observations
+    """Combine microbatches' fp8 observations per seam (`eae_jax.observe.combine` of
+    each handle: counts add up, every amax takes the maximum)."""
+    from eae_jax.observe import combine
 
-    return {n: combine_observations(a, g_fp8[n]) for n, a in acc.items()}
+    return {n: a._replace(observed=type(a.observed)(*map(combine, a.observed, g_fp8[n].observed)))
+            for n, a in acc.items()}
 
 
 def _mesh(devices: Optional[int]):
@@ -360,7 +360,7 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
     delayed_fn = None
     grad_scaling = "current"  # what the run's steps use now (the summary reports it)
     if bound_fp8 is not None and cfg.fp8_grad_scaling == "delayed":
-        delayed = bound_fp8.with_grad_scaling("delayed")
+        delayed = bound_fp8.with_recipe(gradient="delayed")
         delayed_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, delayed), tx, model, delayed),
                              donate_argnums=(0,))
         if _grad_scales_observed(bound_fp8, state.fp8):
@@ -457,7 +457,7 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
                           "grad_clipped": sum(sum(r.get("grad_clipped", [])) for r in report),
                           "weight_clipped": sum(sum(r.get("weight_clipped", [])) for r in report),
                           "grad_scaling": grad_scaling,
-                          "weight_scaling": sorted({sm.config.weight_scaling for sm in bound_fp8.seams.values()}),
+                          "weight_scaling": sorted({sm.recipe.weight for sm in bound_fp8.seams.values()}),
                           "detached": [r["seam"] for r in report if r["detached"]],
                           "gate_worst_cos": min(c["worst_cos"] for c in bound_fp8.certification.values())}
     return summary

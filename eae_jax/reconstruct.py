@@ -516,24 +516,29 @@ class Reconstructed:
         h = x
         saved = []
         for seg, p in zip(self.segments, plist):
-            # A scanned run of depth 0 (the identity) takes the plain scan:
-            # slots and the unrolled schedule need at least one block.
-            empty = seg.scanned and self._depth(seg, p) == 0
-            plan = None if empty else self._slot_plan(seg, p, h)
-            if plan is not None:
-                layouts[("slots", seg.name)] = plan
-                h, res = self._slot_forward(seg, p, h, side, plan, self._depth(seg, p))
-            elif self._unrolls(seg) and not empty:
-                h, res = self._unrolled_forward(seg, p, h, side, self._depth(seg, p))
-            elif seg.scanned:
-                def body(hh, pp, seg=seg):
-                    return self._block_forward(seg, pp, hh, side, layouts)
-
-                h, res = jax.lax.scan(body, h, p)
-            else:
-                h, res = self._block_forward(seg, p, h, side, layouts)
+            # Named scopes mark each segment's ops in compiled HLO and profiles
+            # (eae_jax.train.profile attributes step time by them).
+            with jax.named_scope(f"forward.{seg.name}"):
+                h, res = self._segment_forward(seg, p, h, side, layouts)
             saved.append(res)
         return h, saved
+
+    def _segment_forward(self, seg, p, h, side, layouts):
+        # A scanned run of depth 0 (the identity) takes the plain scan:
+        # slots and the unrolled schedule need at least one block.
+        empty = seg.scanned and self._depth(seg, p) == 0
+        plan = None if empty else self._slot_plan(seg, p, h)
+        if plan is not None:
+            layouts[("slots", seg.name)] = plan
+            return self._slot_forward(seg, p, h, side, plan, self._depth(seg, p))
+        if self._unrolls(seg) and not empty:
+            return self._unrolled_forward(seg, p, h, side, self._depth(seg, p))
+        if seg.scanned:
+            def body(hh, pp):
+                return self._block_forward(seg, pp, hh, side, layouts)
+
+            return jax.lax.scan(body, h, p)
+        return self._block_forward(seg, p, h, side, layouts)
 
     # ------------------------------------------------------------------ backward
     def _block_backward(self, seg, p, res, g, spec, side, layouts):
@@ -569,7 +574,8 @@ class Reconstructed:
             return None, state, zero, zero
         norm_in = _norm(g) if self.collect_stats else jnp.zeros((), jnp.float32)
         ctx = PassContext(jnp.asarray(boundary, jnp.int32), jnp.asarray(boundary, jnp.int32), step, num)
-        g, state = apply_pass(self.passes, g, state, ctx)
+        with jax.named_scope("passes"):
+            g, state = apply_pass(self.passes, g, state, ctx)
         norm_out = _norm(g) if (self.collect_stats and self.passes.name != "identity") else norm_in
         return g, state, norm_in, norm_out
 
@@ -604,33 +610,11 @@ class Reconstructed:
         g, top, top_in, top_out = self._tie_stats(self._boundary(g, tree["state"]["top"], num - 1, step, num))
         offsets = [sum(depths[:s]) for s in range(len(self.segments))]
         for s in reversed(range(len(self.segments))):
-            seg, p, res, n, off = self.segments[s], plist[s], saved[s], depths[s], offsets[s]
-            spec = specs[off]
-            if seg.scanned:
-                def body(gg, xs, seg=seg, spec=spec):
-                    p_i, res_i, st_i, b = xs
-                    gp, gh = self._block_backward(seg, p_i, res_i, gg, spec, side, layouts)
-                    gh, st_i, nin, nout = self._scan_boundary(gh, gg, st_i, b, step, num)
-                    return gh, (gp, st_i, nin, nout)
-
-                idx = off + jnp.arange(n, dtype=jnp.int32)
-                if isinstance(res, _HostBoundaries):
-                    g_new, (gp, st, nin, nout) = self._unrolled_backward(seg, p, res, g, seg_states[s], off, spec,
-                                                                          side, step, num)
-                elif isinstance(res, _SlotStore):
-                    g_new, (gp, st, nin, nout) = self._slot_scan(seg, p, res, g, seg_states[s], idx, spec, side,
-                                                                  step, num, layouts[("slots", seg.name)])
-                elif self._prefetches(seg, n):
-                    g_new, (gp, st, nin, nout) = self._prefetch_scan(seg, p, res, g, seg_states[s], idx, spec, side,
-                                                                      step, num)
-                else:
-                    g_new, (gp, st, nin, nout) = jax.lax.scan(body, g, (p, res, seg_states[s], idx), reverse=True)
-                g = g_new if _is_float(spec) else None
-            else:
-                gp, gh = self._block_backward(seg, p, res, g, spec, side, layouts)
-                g, st, nin, nout = self._tie_stats(self._boundary(gh, seg_states[s], off, step, num))
-                nin, nout = nin[None], nout[None]
-            grads[s], seg_states[s], norms_in[s], norms_out[s] = gp, st, nin, nout
+            seg = self.segments[s]
+            with jax.named_scope(f"backward.{seg.name}"):  # see _forward
+                g, (grads[s], seg_states[s], norms_in[s], norms_out[s]) = self._segment_backward(
+                    seg, plist[s], saved[s], g, seg_states[s], offsets[s], depths[s], specs[offsets[s]], side, step,
+                    num, layouts)
 
         if self.collect_stats:
             stats = {
@@ -641,6 +625,32 @@ class Reconstructed:
             stats = tree["stats"]
         new_tree = {"step": step, "state": {"segments": seg_states, "top": top}, "stats": stats}
         return grads, g, carry_lib.encode_like(new_tree, carry, calls=1.0)
+
+    def _segment_backward(self, seg, p, res, g, state, off, n, spec, side, step, num, layouts):
+        """Backward of one segment at output adjoint ``g``: ``(input adjoint or None,
+        (param grads, pass state, adjoint norms in, out))``."""
+        if not seg.scanned:
+            gp, gh = self._block_backward(seg, p, res, g, spec, side, layouts)
+            g, st, nin, nout = self._tie_stats(self._boundary(gh, state, off, step, num))
+            return g, (gp, st, nin[None], nout[None])
+
+        def body(gg, xs):
+            p_i, res_i, st_i, b = xs
+            gp, gh = self._block_backward(seg, p_i, res_i, gg, spec, side, layouts)
+            gh, st_i, nin, nout = self._scan_boundary(gh, gg, st_i, b, step, num)
+            return gh, (gp, st_i, nin, nout)
+
+        idx = off + jnp.arange(n, dtype=jnp.int32)
+        if isinstance(res, _HostBoundaries):
+            g_new, out = self._unrolled_backward(seg, p, res, g, state, off, spec, side, step, num)
+        elif isinstance(res, _SlotStore):
+            g_new, out = self._slot_scan(seg, p, res, g, state, idx, spec, side, step, num,
+                                         layouts[("slots", seg.name)])
+        elif self._prefetches(seg, n):
+            g_new, out = self._prefetch_scan(seg, p, res, g, state, idx, spec, side, step, num)
+        else:
+            g_new, out = jax.lax.scan(body, g, (p, res, state, idx), reverse=True)
+        return (g_new if _is_float(spec) else None), out
 
     def _check_carry(self, carry, depths, specs, expected=None):
         """Raise ValueError when ``carry`` was made for another stack or depth

@@ -45,7 +45,62 @@ def draw_starts(key: jax.Array, batch: int, high: int) -> np.ndarray:
     return ((words[:, 0] << np.uint64(32) | words[:, 1]) % np.uint64(high)).astype(np.int64)
 
 
-class TokenFile:
+class TokenWindows:
+    """Windows of ``seq_len + 1`` tokens from a flat array of token ids (in memory or mapped).
+
+    ``name`` names the tokens in errors (a file, a text split). Ids are
+    checked against ``vocab_size``: the first 2**20 when made, every window
+    when drawn.
+
+    Raises:
+      ValueError: non-integer ids, too few for one window, ids outside the
+        vocabulary.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from eae_jax.train.data import TokenWindows
+      >>> w = TokenWindows(np.arange(100) % 7, vocab_size=7, seq_len=8, name="demo")
+      >>> w.batch(jax.random.key(0), 3).shape, w.spread(4)[:, 0].tolist()
+      ((3, 9), [0, 2, 4, 0])
+    """
+
+    def __init__(self, tokens: np.ndarray, vocab_size: int, seq_len: int, name: str):
+        self.name, self.vocab_size = name, vocab_size
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"{name} holds {tokens.dtype} values; token ids must be integers")
+        if tokens.ndim != 1:
+            tokens = tokens.reshape(-1)
+        if tokens.shape[0] < seq_len + 1:
+            raise ValueError(f"{name} holds {tokens.shape[0]} tokens; one window needs {seq_len + 1}")
+        self._check_ids(tokens[: min(tokens.shape[0], 1 << 20)], "")
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def _check_ids(self, ids: np.ndarray, where: str) -> None:
+        low, top = int(np.min(ids)), int(np.max(ids))
+        if low < 0:
+            raise ValueError(f"{self.name} has negative id {low}{where}")
+        if top >= self.vocab_size:
+            raise ValueError(f"{self.name} has id {top}{where} >= vocab_size {self.vocab_size}")
+
+    def _rows(self, starts: np.ndarray) -> jax.Array:
+        rows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts])
+        # The constructor checks the first 2**20 ids only; ids past them are checked as they are drawn.
+        self._check_ids(rows, f" in a window starting at one of the offsets {sorted(set(starts.tolist()))}")
+        return jnp.asarray(rows.astype(np.int32))
+
+    def batch(self, key: jax.Array, batch: int) -> jax.Array:
+        """Int32 ``(batch, seq_len + 1)`` windows at positions drawn from ``key``."""
+        # A window is seq_len + 1 tokens (inputs and shifted targets): starts 0 .. n - seq_len - 1 all fit.
+        return self._rows(draw_starts(key, batch, self.tokens.shape[0] - self.seq_len))
+
+    def spread(self, count: int) -> jax.Array:
+        """Int32 ``(count, seq_len + 1)`` windows evenly spaced from the first token to the last
+        (a fixed, key-free sample: the validation batches)."""
+        last = self.tokens.shape[0] - self.seq_len - 1
+        return self._rows(np.linspace(0, last, count).astype(np.int64))
+
+
+class TokenFile(TokenWindows):
     """Random windows from a flat file of token ids.
 
     Accepts a ``.npy`` array file (any integer dtype) or a raw file of uint16
@@ -81,36 +136,11 @@ class TokenFile:
                 tokens = np.memmap(path, dtype=np.uint16, mode="r")
         except (ValueError, OSError, EOFError) as err:
             raise ValueError(f"cannot read token file {path} (.npy, or raw uint16 .bin): {err}") from err
-        if not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"token file {path} holds {tokens.dtype} values; token ids must be integers")
-        if tokens.ndim != 1:
-            tokens = tokens.reshape(-1)
-        if tokens.shape[0] < seq_len + 1:
-            raise ValueError(f"token file {path} holds {tokens.shape[0]} tokens; one window needs {seq_len + 1}")
-        head = tokens[: min(tokens.shape[0], 1 << 20)]
-        self.path, self.vocab_size = path, vocab_size
-        self._check_ids(head, "")
-        self.tokens, self.seq_len = tokens, seq_len
-
-    def _check_ids(self, ids: np.ndarray, where: str) -> None:
-        low, top = int(np.min(ids)), int(np.max(ids))
-        if low < 0:
-            raise ValueError(f"token file {self.path} has negative id {low}{where}")
-        if top >= self.vocab_size:
-            raise ValueError(f"token file {self.path} has id {top}{where} >= vocab_size {self.vocab_size}")
-
-    def batch(self, key: jax.Array, batch: int) -> jax.Array:
-        """Int32 ``(batch, seq_len + 1)`` windows at positions drawn from ``key``."""
-        # A window is seq_len + 1 tokens (inputs and shifted targets): starts 0 .. n - seq_len - 1 all fit.
-        high = self.tokens.shape[0] - self.seq_len
-        starts = draw_starts(key, batch, high)
-        rows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts])
-        # The constructor checks the first 2**20 ids only; ids past them are checked as they are drawn.
-        self._check_ids(rows, f" in a window starting at one of the offsets {sorted(set(starts.tolist()))}")
-        return jnp.asarray(rows.astype(np.int32))
+        super().__init__(tokens, vocab_size, seq_len, f"token file {path}")
+        self.path = path
 
 
-def make_batches(key: jax.Array, source: Optional[TokenFile], steps_batch: int, seq_len: int, vocab: int):
+def make_batches(key: jax.Array, source: Optional[TokenWindows], steps_batch: int, seq_len: int, vocab: int):
     """One step's tokens from ``source`` (None: synthetic)."""
     if source is None:
         return synthetic_batch(key, steps_batch, seq_len, vocab)

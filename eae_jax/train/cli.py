@@ -47,8 +47,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "passes": "adjoint pass chain, e.g. 'int8,clip=1.0' or 'topk(0.9, error_feedback=false),stats': "
                   "every pass below, by name, with its hyper-parameters",
         "policy": "reconstruct policy: boundaries | dots | dots_all | everything",
-        "data": "token file: a .npy array or raw uint16 ids (told apart by content); default: a learnable "
-                "synthetic task",
+        "data": "token file: a .npy array or raw uint16 ids (told apart by content)",
+        "text": "train on text: files and folders (UTF-8 text files under them); with no path, the Python "
+                "standard library's sources and docs. The default when neither --data nor --synthetic is given",
+        "tokenizer": "text runs: bytes (257 ids) | bpe:N (a byte-level BPE of N ids trained on the text) | a "
+                     "tokenizer.json or llama2.c tokenizer.bin; default: bytes, or the --init model's own. Saved "
+                     "in --out beside the checkpoints",
+        "val_fraction": "text runs: the share of documents held out for validation",
+        "val_data": "--data runs: a token file to validate on",
+        "val_every": "validation loss every N steps, at step 0 and at the end (0: never)",
+        "val_batches": "validation batches (of --batch / --microbatches sequences, evenly spread over the "
+                       "held-out tokens)",
+        "init": "start from this model: a run directory, a llama2.c .bin/.pt or a Hugging Face directory; its "
+                "shape replaces the preset's",
+        "vocab_size": "vocabulary (default: the tokenizer's for text, else the preset's; never below the "
+                      "tokenizer's)",
+        "dim": "model width (default: the preset's)", "depth": "number of blocks", "heads": "attention heads",
+        "kv_heads": "key/value heads (divides --heads)",
+        "ffn": "SwiGLU hidden width (default: the preset's; with --dim: 8/3 of it, rounded up to a multiple of "
+               "256, of 16 below 256)",
+        "norm_eps": "RMSNorm epsilon (default 1e-6)", "rope_theta": "RoPE base (default 10000)",
+        "rope_style": "RoPE pairing: interleaved (llama2.c) | half (Hugging Face)",
+        "tie_embeddings": "the head reuses the embedding table",
+        "quiet": "no progress bar and no per-step lines (the summary still prints)",
+        "tensorboard": "TensorBoard event files in <out>/tensorboard (default: when tensorboardX is installed)",
+        "plot": "a PNG of the loss curves in <out>/loss.png at the end (needs matplotlib)",
+        "peak_tflops": "peak TFLOP/s of one device for MFU (default: from the device kind; none on CPUs)",
+        "profile": "STEP or FIRST:LAST: a jax.profiler trace of those steps in <out>/profile and a table of "
+                   "where their time went",
         "grad_accum_dtype": "dtype gradients are accumulated in across microbatches (fp32 | bf16)",
         "devices": "number of devices for data parallelism (default: all)",
         "grad_clip": "global-norm gradient clipping (0: none)",
@@ -62,7 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = defaults[field.name].default
-        if field.type in ("bool",) or isinstance(default, bool):
+        if field.name == "text":
+            parser.add_argument(flag, nargs="*", metavar="PATH", default=None, help=help_text.get(field.name))
+            continue
+        if field.type in ("bool", "Optional[bool]") or isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text.get(field.name))
             continue
@@ -79,7 +108,33 @@ def build_parser() -> argparse.ArgumentParser:
                            epilog="passes (--passes NAME, NAME=VALUE or NAME(VALUE, KEY=VALUE, ...); "
                                   "types and defaults):\n" + describe() + "\n\n" + EXIT_CODES)
     add_arguments(parser)
+    parser.add_argument("--synthetic", action="store_true",
+                        help="train on a learnable synthetic task instead of text (no validation)")
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="a .json or .toml file of settings (flag names as keys, e.g. dim = 128); flags on the "
+                             "command line override it")
     return parser
+
+
+def parse_args(argv) -> argparse.Namespace:
+    """Parse ``eae-jax train`` arguments: a ``--config`` file's settings first, flags over them.
+
+    Raises:
+      UsageError: a bad flag; ValueError / FileNotFoundError: a bad config file.
+    """
+    from eae_jax.train.config import read_config_file
+
+    args = build_parser().parse_args(argv)
+    if args.config is not None:
+        values = read_config_file(args.config)
+        explicit = build_parser()  # the flags given on the command line: every default suppressed
+        for action in explicit._actions:
+            action.default = argparse.SUPPRESS
+        given = vars(explicit.parse_args(argv))
+        for name, value in values.items():
+            if name not in given:
+                setattr(args, name, value)
+    return args
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,8 +147,12 @@ def run(args: argparse.Namespace) -> int:
     from eae_jax.train.lock import RunLockedError
     from eae_jax.train.loop import train
 
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     try:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+        if args.synthetic and (values["text"] is not None or values["data"]):
+            raise ValueError("--synthetic trains on the synthetic task: drop --text / --data")
+        if values["text"] is None and not values["data"] and not args.synthetic:
+            values["text"] = []  # the default: real text, the standard library
         summary = train(TrainConfig(**values))
     except FloatingPointError as err:
         print(f"eae-jax train: {err}", file=sys.stderr)
@@ -109,7 +168,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _main(argv) -> int:
-    return run(build_parser().parse_args(argv))
+    try:
+        args = parse_args(argv)
+    except (ValueError, OSError) as err:  # a bad --config file
+        print(f"eae-jax train: error: {err}", file=sys.stderr)
+        return 2
+    return run(args)
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,13 @@ def synthetic_batch(key: jax.Array, batch: int, seq_len: int, vocab_size: int) -
     ``a`` is uniform, the stride ``b`` is drawn from 1..8, so the next token is
     predictable from the two before it: loss can fall from ``log V`` towards 0
     and a working training loop shows it.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from eae_jax.train.data import synthetic_batch
+      >>> rows = np.asarray(synthetic_batch(jax.random.key(0), 2, 5, 16))
+      >>> rows.shape, bool(np.all((np.diff(rows, axis=1) % 16) == (rows[:, 1:2] - rows[:, :1]) % 16))
+      ((2, 6), True)
     """
     ka, kb = jax.random.split(key)
     start = jax.random.randint(ka, (batch, 1), 0, vocab_size)
@@ -36,6 +43,13 @@ def draw_starts(key: jax.Array, batch: int, high: int) -> np.ndarray:
 
     Raises:
       ValueError: ``high`` is not positive.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.train.data import draw_starts
+      >>> starts = draw_starts(jax.random.key(0), 4, 2**40)
+      >>> starts.dtype.name, bool(((starts >= 0) & (starts < 2**40)).all())
+      ('int64', True)
     """
     if high <= 0:
         raise ValueError(f"no window offsets to draw from: high={high}")
@@ -113,6 +127,14 @@ class TokenFile(TokenWindows):
       FileNotFoundError / ValueError: missing or unreadable file, non-integer
         ids, too short for one window, or ids outside the vocabulary (the
         first 2**20 ids when opened, every window when drawn).
+
+    Example:
+      >>> import os, tempfile, jax, numpy as np
+      >>> from eae_jax.train.data import TokenFile
+      >>> path = os.path.join(tempfile.mkdtemp(), "tokens.bin")
+      >>> np.arange(50, dtype=np.uint16).tofile(path)              # raw uint16 ids, llama2.c style
+      >>> TokenFile(path, vocab_size=64, seq_len=8).batch(jax.random.key(0), 3).shape
+      (3, 9)
     """
 
     def __init__(self, path: str, vocab_size: int, seq_len: int):
@@ -141,7 +163,14 @@ class TokenFile(TokenWindows):
 
 
 def make_batches(key: jax.Array, source: Optional[TokenWindows], steps_batch: int, seq_len: int, vocab: int):
-    """One step's tokens from ``source`` (None: synthetic)."""
+    """One step's tokens from ``source`` (None: synthetic).
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.train.data import make_batches
+      >>> make_batches(jax.random.key(0), None, 4, 8, 256).shape
+      (4, 9)
+    """
     if source is None:
         return synthetic_batch(key, steps_batch, seq_len, vocab)
     return source.batch(key, steps_batch)

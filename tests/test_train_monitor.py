@@ -123,11 +123,29 @@ def test_each_record_carries_lr_throughput_and_model_flops(quick_run):
 
 def test_quiet_runs_print_only_the_summary(tmp_path, capsys, fast_compiles):
     code = main(["train", "--synthetic", "--steps", "2", "--batch", "2", "--seq-len", "8", "--quiet",
-                 "--no-plot", "--no-tensorboard", "--out", str(tmp_path / "run")])
+                 "--no-plot", "--no-tensorboard", "--peak-tflops", "0.001", "--out", str(tmp_path / "run")])
     out = capsys.readouterr().out
     assert code == 0 and "step 1/2" not in out and "done:" not in out
     assert json.loads(out.strip().splitlines()[-1])["plot"] is None
     assert not os.path.exists(tmp_path / "run" / "loss.png") and not os.path.exists(tmp_path / "run" / "tensorboard")
+    for r in records(str(tmp_path / "run")):  # a given peak makes MFU measurable on a CPU
+        assert r["mfu"] == pytest.approx(r["tflops"] / 0.001, rel=1e-12)
+
+
+def test_validation_steps_follow_val_every(tmp_path):
+    from eae_jax.train.monitor import RunMonitor
+    from eae_jax.train.rundir import JsonlLog
+
+    val = np.zeros((1, 2, 9), np.int32)
+    for every, want in [(0, []), (1, [1, 2, 3, 4, 5, 6]), (4, [4, 6])]:
+        cfg = TrainConfig(preset="tiny", seq_len=8, val_every=every, tensorboard=False, out=str(tmp_path))
+        mon = RunMonitor(cfg, cfg.model(), val, JsonlLog(str(tmp_path / "log.jsonl")), 0, 6, log_fn=quiet)
+        assert [s for s in range(1, 7) if mon.wants_log(s)] == want, every
+        mon.close()
+    with pytest.raises(ValueError, match="val_every must be >= 0"):
+        TrainConfig(val_every=-1)
+    with pytest.raises(ValueError, match="peak_tflops must be a finite number > 0"):
+        TrainConfig(peak_tflops=0.0)
 
 
 def test_a_resumed_run_plots_and_summarizes_the_whole_run(tmp_path, fast_compiles):

@@ -92,6 +92,14 @@ def test_a_vocabulary_at_the_tokenizers_size_is_accepted(notes, tmp_path):
     assert wider.config.model().vocab_size == 320  # padding rows are allowed
 
 
+def test_val_fraction_bounds(notes, tmp_path):
+    run = prepare_run(TrainConfig(text=[notes], val_fraction=0.5, seq_len=SEQ, out=str(tmp_path / "r")))
+    assert run.val is not None  # half the documents held out is the most allowed
+    for bad in (0.0, 0.5000001):
+        with pytest.raises(ValueError, match="val_fraction must be in"):
+            TrainConfig(text=[notes], val_fraction=bad)
+
+
 def test_a_held_out_split_shorter_than_a_window_names_the_fix(tmp_path):
     doc = tmp_path / "one.txt"
     doc.write_text("line\n" * 30)

@@ -1,5 +1,10 @@
 """``eae-jax train``: argument parsing for `eae_jax.train.train`.
 
+One flag per `TrainConfig` field, ``--config FILE`` (settings a flag on the
+command line overrides) and ``--synthetic``; without ``--data`` or
+``--synthetic`` a run trains on text (``--text``, by default the standard
+library).
+
 Exit codes: 0 the run finished (the summary is printed as JSON); 1 the run
 diverged (a non-finite loss, state or adjoint; the last good checkpoint is
 kept); 2 it could not run as asked: a bad argument (every one is checked
@@ -103,7 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``eae-jax train`` parser; its help ends with the passes and the exit codes."""
     from eae_jax.passes.spec import describe
 
-    parser = OneLineParser(prog="eae-jax train", description="Train a LLaMA-style LM with eae_jax.",
+    parser = OneLineParser(prog="eae-jax train",
+                           description="Train a LLaMA-style LM with eae_jax: on text (by default the Python "
+                                       "standard library's, which needs no download), a token file (--data) or "
+                                       "a synthetic task (--synthetic).",
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            epilog="passes (--passes NAME, NAME=VALUE or NAME(VALUE, KEY=VALUE, ...); "
                                   "types and defaults):\n" + describe() + "\n\n" + EXIT_CODES)

@@ -295,8 +295,10 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
 
     Writes ``<out>/log.jsonl`` (one record per logged step) and checkpoints
     under ``<out>/checkpoints`` (atomic; the newest readable one is resumed
-    when ``cfg.resume``). The run holds ``<out>``'s lock (`RunLock`)
-    throughout: a second run into the same ``out`` is refused.
+    when ``cfg.resume``); a text run's tokenizer, TensorBoard files, the loss
+    plot and ``--profile``'s trace beside them (`RunMonitor`). The run holds
+    ``<out>``'s lock (`RunLock`) throughout: a second run into the same
+    ``out`` is refused.
 
     Resuming: an unreadable newest checkpoint (damaged, not an archive) is
     moved aside to ``<name>.unreadable`` (never deleted) with a warning

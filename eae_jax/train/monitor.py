@@ -149,17 +149,17 @@ class RunMonitor:
 
     def run_step(self, step_fn, state, tokens):
         """``step_fn(state, tokens)``; the first call compiles first, with a notice and its time."""
-        if not self._compiled:
+        if not self._compiled and hasattr(step_fn, "lower"):
             shape = describe_shape(self.cfg.shape, self.model.num_params())
             self.write(f"compiling the train step ({shape}) ...")
             before = self.compiling.seconds
-            lowered = step_fn.lower(state, tokens).compile()  # the call below reuses it
+            compiled = step_fn.lower(state, tokens).compile()  # the call below reuses it
             self.write(f"compiled in {self.compiling.seconds - before:.1f}s")
             if self.profiler is not None:
                 eval_text = "" if self.val is None else \
                     self._eval_fn().lower(state.params, self.val).compile().as_text()
-                self.profiler.set_programs(lowered.as_text(), module_name(eval_text))
-            self._compiled = True
+                self.profiler.set_programs(compiled.as_text(), module_name(eval_text))
+        self._compiled = True
         with self.host("dispatch"):
             return step_fn(state, tokens)
 

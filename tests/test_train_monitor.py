@@ -132,6 +132,25 @@ def test_quiet_runs_print_only_the_summary(tmp_path, capsys, fast_compiles):
         assert r["mfu"] == pytest.approx(r["tflops"] / 0.001, rel=1e-12)
 
 
+def test_tensorboard_without_its_package(tmp_path, capsys, monkeypatch, fast_compiles):
+    import sys
+
+    from eae_jax.train import loop
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if not installed: importing it fails
+    argv = ["train", "--synthetic", "--steps", "1", "--batch", "2", "--seq-len", "8", "--no-plot"]
+    with monkeypatch.context() as m:
+        m.setattr(loop, "build", lambda *a, **k: pytest.fail("built a model though the writer is missing"))
+        code = main(argv + ["--tensorboard", "--out", str(tmp_path / "asked")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == ("eae-jax train: error: TensorBoard files need tensorboardX: pip install "
+                                         "'eae-jax[tb]' (or pass --no-tensorboard)")
+    code = main(argv + ["--out", str(tmp_path / "default")])  # not asked for: a note, and the run goes on
+    captured = capsys.readouterr()
+    assert code == 0 and "note: no TensorBoard files (TensorBoard files need tensorboardX" in captured.out
+    assert json.loads(captured.out.strip().splitlines()[-1])["tensorboard"] is None
+
+
 def test_validation_steps_follow_val_every(tmp_path):
     from eae_jax.train.monitor import RunMonitor
     from eae_jax.train.rundir import JsonlLog

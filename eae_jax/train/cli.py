@@ -8,11 +8,12 @@ library).
 Exit codes: 0 the run finished (the summary is printed as JSON); 1 the run
 diverged (a non-finite loss, state or adjoint; the last good checkpoint is
 kept); 2 it could not run as asked: a bad argument (every one is checked
-before a model is built), token file, output directory, a run directory
-locked by another live run, checkpoints that do not continue this run or
-none readable, fp8 seams refused, or a write that failed mid-run (disk
-full: the message names the step and the file); one line on stderr, no
-traceback. 3: an internal error (a bug; the traceback is printed).
+before a model is built), config file, text, token file, ``--init`` model,
+output directory, a run directory locked by another live run, checkpoints
+that do not continue this run or none readable, fp8 seams refused, a
+missing optional package, or a write that failed mid-run (disk full: the
+message names the step and the file); one line on stderr, no traceback.
+3: an internal error (a bug; the traceback is printed).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from eae_jax.train.config import PRESETS, TrainConfig
 EXIT_CODES = """exit codes:
   0  the run finished; the summary is printed as JSON
   1  the run diverged (non-finite loss, state or adjoint); the last good checkpoint is kept
-  2  bad argument, token file or output directory; run directory locked by another run;
-     checkpoints that do not continue this run (or none readable); fp8 seams refused;
-     a write failed mid-run (the message names the step and the file)
+  2  bad argument, text, token file, --init model or output directory; run directory locked
+     by another run; checkpoints that do not continue this run (or none readable); fp8 seams
+     refused; a missing optional package (--tensorboard, --tokenizer bpe:N, --init of a torch
+     format); a write failed mid-run (the message names the step and the file)
   3  internal error (a bug: the traceback is printed)"""
 
 
@@ -170,6 +172,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except (GateRefused, GuardRefused) as err:  # the model's fp8 seams were refused: a verdict, not a crash
         print(f"eae-jax train: fp8 refused: {err} (train without --dtype fp8_e4m3)", file=sys.stderr)
+        return 2
+    except ImportError as err:
+        if "pip install" not in str(err):  # not a missing extra (whose messages say what to install): a bug
+            raise
+        print(f"eae-jax train: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(summary))
     return 0

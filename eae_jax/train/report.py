@@ -31,6 +31,20 @@ class MissingExtra(ImportError):
     """
 
 
+def require_tensorboard() -> None:
+    """Raise `MissingExtra` unless tensorboardX (the ``tb`` extra) can be imported.
+
+    Example:
+      >>> from eae_jax.train.report import require_tensorboard
+      >>> require_tensorboard()      # installed here: nothing happens
+    """
+    try:
+        import tensorboardX  # noqa: F401
+    except ImportError as err:
+        raise MissingExtra("TensorBoard files need tensorboardX: pip install 'eae-jax[tb]' "
+                           "(or pass --no-tensorboard)") from err
+
+
 class TensorBoardLog:
     """Scalars of every record into TensorBoard event files (tensorboardX's SummaryWriter).
 
@@ -49,11 +63,9 @@ class TensorBoardLog:
     """
 
     def __init__(self, directory: str):
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError as err:
-            raise MissingExtra("TensorBoard files need tensorboardX: pip install 'eae-jax[tb]' "
-                               "(or pass --no-tensorboard)") from err
+        require_tensorboard()
+        from tensorboardX import SummaryWriter
+
         self.directory = directory
         self.writer = SummaryWriter(directory, flush_secs=10)
 

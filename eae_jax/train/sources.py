@@ -81,6 +81,8 @@ def prepare_run(cfg: TrainConfig, log_fn=None) -> RunData:
         file or checkpoint; a vocabulary smaller than the tokenizer's; a
         shape flag that contradicts ``--init``; a split too short for one
         window.
+      ImportError: an optional package the run asks for is missing (the
+        message says which extra to install).
 
     Example:
       >>> import os, tempfile
@@ -94,6 +96,10 @@ def prepare_run(cfg: TrainConfig, log_fn=None) -> RunData:
       >>> run.config.vocab_size, run.tokenizer.kind, run.val.shape     # the byte tokenizer's 257 ids
       (257, 'bytes', (2, 4, 17))
     """
+    if cfg.tensorboard:  # asked for explicitly: a missing writer is refused before anything is built
+        from eae_jax.train.report import require_tensorboard
+
+        require_tensorboard()
     init = fields = None
     text_run = cfg.text is not None
     if cfg.init:

@@ -97,7 +97,7 @@ def test_checkpoint_is_atomic_and_errors_name_the_problem(tmp_path):
 def test_cli_train_subcommand(tmp_path, capsys):
     from eae_jax.cli import main
 
-    code = main(["train", "--steps", "3", "--out", str(tmp_path), "--log-every", "1", "--batch", "4",
+    code = main(["train", "--synthetic", "--steps", "3", "--out", str(tmp_path), "--log-every", "1", "--batch", "4",
                  "--passes", "int8,clip=0.001", "--boundary-dtype", "bf16"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

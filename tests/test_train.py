@@ -97,7 +97,7 @@ def test_checkpoint_is_atomic_and_errors_name_the_problem(tmp_path):
 def test_cli_train_subcommand(tmp_path, capsys):
     from eae_jax.cli import main
 
-    code = main(["train", "--steps", "3", "--out", str(tmp_path), "--log-every", "1", "--batch", "4",
+    code = main(["train", "--synthetic", "--steps", "3", "--out", str(tmp_path), "--log-every", "1", "--batch", "4",
                  "--passes", "int8,clip=0.001", "--boundary-dtype", "bf16"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -346,7 +346,7 @@ def test_kill_between_checkpoints_resumes_with_one_record_per_step(tmp_path):
     # The redone steps reproduce the killed run's losses bit for bit (same data order and state).
     assert [r["loss"] for r in log[3:5]] == [r["loss"] for r in killed[3:5]]
     # tokens/s of the last record (3 steps since step 5) counts those 3 steps, not log_every
-    np.testing.assert_allclose(log[-1]["tokens_per_s"] * log[-1]["seconds"], 3 * 2 * 8, rtol=1e-6)
+    np.testing.assert_allclose(log[-1]["tokens_per_s"] * log[-1]["step_seconds"], 3 * 2 * 8, rtol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -258,10 +258,13 @@ class Reconstructed:
     def _forward(layouts, stores, plist, x, side):
         h, saved = x, []
         for lay, store, p in zip(layouts, stores, plist):
-            if lay.segment.scanned:
-                h, res = store.forward(lay, p, h, side)
-            else:
-                h, res = store.save(lay, p, h, side)
+            # Named scopes mark each segment's ops in compiled HLO and profiles
+            # (eae_jax.train.profile attributes step time by them).
+            with jax.named_scope(f"forward.{lay.segment.name}"):
+                if lay.segment.scanned:
+                    h, res = store.forward(lay, p, h, side)
+                else:
+                    h, res = store.save(lay, p, h, side)
             saved.append(res)
         return h, saved
 
@@ -275,13 +278,14 @@ class Reconstructed:
         g, top, top_in, top_out = at.tied(g, tree["state"]["top"], num - 1)
         for s in reversed(range(count)):
             lay, store, p, res = layouts[s], stores[s], plist[s], saved[s]
-            if lay.segment.scanned:
-                g_new, (gp, st, nin, nout) = store.backward(lay, p, res, g, seg_states[s], at, side)
-                g = g_new if lay.float_in else None
-            else:
-                gp, gh = store.restore(lay, p, res, g, side)
-                g, st, nin, nout = at.tied(gh, seg_states[s], lay.first)
-                nin, nout = nin[None], nout[None]
+            with jax.named_scope(f"backward.{lay.segment.name}"):  # see _forward
+                if lay.segment.scanned:
+                    g_new, (gp, st, nin, nout) = store.backward(lay, p, res, g, seg_states[s], at, side)
+                    g = g_new if lay.float_in else None
+                else:
+                    gp, gh = store.restore(lay, p, res, g, side)
+                    g, st, nin, nout = at.tied(gh, seg_states[s], lay.first)
+                    nin, nout = nin[None], nout[None]
             grads[s], seg_states[s], norms_in[s], norms_out[s] = gp, st, nin, nout
 
         if self.collect_stats:

@@ -60,6 +60,7 @@ MODULES = (
     "interop.llama2c",
     "interop.reference",
     "interop.safe_load",
+    "interop.safetensors_numpy",
     "interop.tensors",
     "interop.torch_blocks",
 )

@@ -228,3 +228,26 @@ def test_the_carry_gradient_brings_the_pass_state_out():
         ef.update_carries(model, nnx.state(grads, nnx.Param))
     with pytest.raises(ValueError, match="has no eae_jax.flax.Reconstruct with a carry"):
         ef.update_carries(ScanRemat(stacked(DropoutLayer, 2)), grads)
+
+
+class MaskedLayer(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x, mask):
+        return x + mask * jnp.tanh(self.linear(x))
+
+
+def test_more_arguments_reach_every_layer_as_constants():
+    x, mask = jax.random.normal(jax.random.key(6), (3, D)), jnp.array([1.0, 0.0, 1.0])[:, None]
+    model = ef.Reconstruct(stacked(MaskedLayer, 3))
+
+    @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
+    def reference(layer, h, m):
+        return layer(h, m)
+
+    loss = lambda m, x, mask: jnp.sum(jnp.sin(m(x, mask)))  # noqa: E731
+    grads, g_mask = nnx.jit(nnx.grad(loss, argnums=(0, 2)))(model, x, mask)
+    ref = nnx.jit(nnx.grad(lambda m, x: jnp.sum(jnp.sin(reference(m.layers, x, mask)))))(model, x)
+    chex.assert_trees_all_close(_pure(grads)["layers"], _pure(ref)["layers"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(g_mask), 0.0)  # constant to the backward, like lax.stop_gradient

@@ -24,7 +24,7 @@ it together with the params, and its gradient *is* its next value:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import jax
 from flax import nnx
@@ -81,9 +81,10 @@ def _leaves(var) -> list:
     return jax.tree_util.tree_leaves(_value(var))
 
 
-def layer_block(graphdef: nnx.GraphDef) -> Any:
+def layer_block(graphdef: nnx.GraphDef) -> Callable[..., Tuple[jax.Array, nnx.State]]:
     """The pure block of one layer of ``graphdef``, for ``reconstruct(...,
-    block_state=True)``: ``block(state, x, *side) -> (y, new_state)``.
+    block_state=True)``: ``block(state, x, side=()) -> (y, new_state)``,
+    the layer called as ``layer(x, *side)``.
 
     ``state`` is the layer's whole ``nnx.State``; ``new_state`` holds every
     variable that is not an ``nnx.Param``, as the call left it.
@@ -285,7 +286,8 @@ def update_carries(model: nnx.Module, grads: Any, *, strict: bool = True) -> Dic
     (1, (4,), 1)
     """
     out = {}
-    for path, module in nnx.iter_modules(model):
+    modules = nnx.iter_modules(model) if hasattr(nnx, "iter_modules") else model.iter_modules()  # flax < 0.12
+    for path, module in modules:
         if isinstance(module, Reconstruct) and module.carry is not None:
             new, stats = Reconstructed.update(_value(module.carry), _grad_at(grads, tuple(path) + ("carry",)),
                                               strict=strict)

@@ -204,7 +204,8 @@ class Reconstructed:
         return [store.bind(lay) for store, lay in zip(self.storage, layouts)]
 
     # ------------------------------------------------------------------ carry
-    def init(self, params, x, key: Optional[jax.Array] = None, side=None) -> carry_lib.AdjointCarry:
+    def init(self, params: Any, x: Any, key: Union[jax.Array, int, None] = None,
+             side: Any = None) -> carry_lib.AdjointCarry:
         """Build the carry: one pass state per boundary, step 0, stats slots.
 
         Args:
@@ -321,7 +322,8 @@ class Reconstructed:
         new_tree = {"step": tree["step"], "state": {"segments": seg_states, "top": top}, "stats": stats}
         return grads, g, carry_lib.encode_like(new_tree, carry, calls=1.0)
 
-    def __call__(self, params, x, carry: Optional[carry_lib.AdjointCarry] = None, side=None):
+    def __call__(self, params: Any, x: Any, carry: Optional[carry_lib.AdjointCarry] = None,
+                 side: Any = None) -> Union[jax.Array, Tuple[jax.Array, Any]]:
         """Apply the stack: ``x0 = x``, ``x(i+1) = block_i(params_i, x_i)``; returns xL.
 
         With ``block_state=True`` every block returns ``(y, new_state)`` and

@@ -99,7 +99,8 @@ def read_safetensors(path: str) -> Dict[str, np.ndarray]:
     >>> read_safetensors(path)
     Traceback (most recent call last):
     ...
-    interop.errors.CorruptCheckpointError: ...: truncated or damaged safetensors file: the tensors need 24 bytes of data, the file holds 20 (truncated)
+    interop.errors.CorruptCheckpointError: ...: truncated or damaged safetensors file: the tensors need 24 bytes
+    of data, the file holds 20 (truncated)
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such checkpoint file: {path}")

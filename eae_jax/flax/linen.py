@@ -132,7 +132,8 @@ class Reconstruct(nn.Module):
             y, updated = template.apply({"params": p["params"], **p["state"]}, h, *s, rngs=p["rngs"], mutable=mutable)
             return y, ({} if initializing else _state_of(updated, known, where))
 
-        stack = reconstruct(Scan(block_fn, type(self.block).__name__), passes=self.passes, storage=self.storage, stats=self.stats, block_state=True)
+        stack = reconstruct(Scan(block_fn, type(self.block).__name__), passes=self.passes, storage=self.storage,
+                            stats=self.stats, block_state=True)
         stack_params = {"params": params, "state": state_vars, "rngs": self._rngs()}
         side_arg = tuple(side) if side else None
         carry = None
@@ -176,7 +177,8 @@ def update_carries(carries: Any, grads: Any, *, strict: bool = True) -> Tuple[An
     >>> import jax.numpy as jnp
     >>> from eae_jax import carry
     >>> old = {"carry": carry.encode({"step": jnp.int32(0), "stats": {}})}
-    >>> new, stats = update_carries(old, {"carry": carry.encode_like({"step": jnp.int32(0), "stats": {}}, old["carry"])})
+    >>> grad = {"carry": carry.encode_like({"step": jnp.int32(0), "stats": {}}, old["carry"])}
+    >>> new, stats = update_carries(old, grad)
     >>> int(carry.decode(new["carry"])["step"]), float(stats["carry"]["calls"])
     (1, 1.0)
     """

@@ -166,3 +166,18 @@ def test_init_refuses_a_tokenizer_with_more_ids_than_the_model(tiny_run, notes, 
     # the tiny run has 256 ids; the byte tokenizer needs 257
     with pytest.raises(ValueError, match="the --init model's vocabulary 256 is smaller than the tokenizer's 257"):
         train(TrainConfig(init=tiny_run, text=[notes], seq_len=SEQ, out=str(tmp_path / "ft")), log_fn=quiet)
+
+
+def test_a_token_file_fine_tune_keeps_the_init_models_tokenizer(notes, tmp_path, capsys):
+    text_run = str(tmp_path / "text")
+    train(TrainConfig(preset="tiny", text=[notes], seq_len=SEQ, batch=2, steps=1, out=text_run, plot=False,
+                      tensorboard=False), log_fn=quiet)
+    ids = np.asarray(load_model(text_run).tokenizer.encode("the quick brown fox jumps over")[:SEQ + 1])
+    out = str(tmp_path / "ft")
+    code = main(["train", "--init", text_run, "--data", window_file(tmp_path, ids), "--seq-len", str(SEQ),
+                 "--batch", "2", "--steps", "1", "--out", out, *OFF])
+    assert code == 0, capsys.readouterr().err
+    # eae-jax generate on the fine-tune reads text with the init model's tokenizer
+    tuned = load_model(out).tokenizer
+    assert tuned is not None and tuned.kind == load_model(text_run).tokenizer.kind
+    assert list(tuned.encode("the quick brown fox jumps over")[:SEQ + 1]) == ids.tolist()

@@ -60,8 +60,9 @@ def _init_model(cfg: TrainConfig, text_run: bool):
 
     if not os.path.exists(cfg.init):
         raise FileNotFoundError(f"--init {cfg.init}: no such file or directory")
-    # A text run without --tokenizer speaks the init model's language, when it has one.
-    loaded = load_model(cfg.init, tokenizer=None if text_run and not cfg.tokenizer else "none")
+    # A run without --tokenizer speaks the init model's language, when it has one: a text run
+    # tokenizes with it, a token-file run saves it beside its checkpoints for eae-jax generate.
+    loaded = load_model(cfg.init, tokenizer=None if not cfg.tokenizer else "none")
     fields = shape_of(loaded.config)
     given = {k: getattr(cfg, k) for k in fields if k != "tie_embeddings"}
     problems = conflicts(given, fields)
@@ -138,6 +139,9 @@ def prepare_run(cfg: TrainConfig, log_fn=None) -> RunData:
             val = TokenFile(cfg.val_data, vocab, cfg.seq_len).spread(cfg.val_batches * micro)
             val = val.reshape(cfg.val_batches, micro, -1)
         source = f"token file {cfg.data}"
+        if init is not None and init.tokenizer is not None:
+            tokenizer = init.tokenizer
+            source += f" (ids of the --init model's {tokenizer.kind} tokenizer)"
     else:
         train, source = None, "the synthetic task"
     params = None

@@ -3,19 +3,26 @@ intervals, ratios with verdicts (`bench_stats`), the gradient cosines, the
 training curves; ``fp8_results.json``, ``fp8_table.md`` (the tables
 docs/benchmarks.md shows), ``fp8_train_curves.png``. numpy, scipy,
 matplotlib when present; no JAX.
+
+``python experiments/bench_fp8_report.py RESULTS.json`` prints the markdown
+tables of a campaign's ``fp8_results.json`` (or ``fp8_rows.json``),
+recomputed from its rows, to paste into docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-import bench_report as br
-import bench_stats as bs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_report as br  # noqa: E402
+import bench_stats as bs  # noqa: E402
 
 #: A ratio gets an interval and a verdict only with this many processes a side.
 MIN_PROCESSES = br.MIN_PROCESSES
@@ -357,11 +364,27 @@ NOTES = (
 )
 
 
+def summarize(rows: List[dict], meta: dict, train: Optional[dict]) -> dict:
+    """The whole report of a campaign's rows: what ``fp8_results.json`` holds."""
+    return {"format": 1, "meta": meta, "rows": rows, "ffn": ffn_summary(rows), "step": step_summary(rows),
+            "cosines": cosine_summary(rows), "train": train, "train_summary": train_summary(train),
+            "method": METHOD, "notes": list(NOTES)}
+
+
+def load(path: str) -> dict:
+    """`summarize` of a saved campaign (fp8_results.json or fp8_rows.json), recomputed from its rows."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        rows, meta, train = doc["rows"], doc["meta"], doc.get("train")
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"{path}: not an fp8_results.json / fp8_rows.json ({type(err).__name__}: {err})")
+    return summarize(rows, meta, train)
+
+
 def write_outputs(out_dir: str, rows: List[dict], meta: dict, train: Optional[dict], final: bool) -> str:
     """Write fp8_results.json and fp8_table.md (and, final, the chart); return the console report."""
-    doc = {"format": 1, "meta": meta, "rows": rows, "ffn": ffn_summary(rows), "step": step_summary(rows),
-           "cosines": cosine_summary(rows), "train": train, "train_summary": train_summary(train),
-           "method": METHOD, "notes": list(NOTES)}
+    doc = summarize(rows, meta, train)
     br.atomic_write(os.path.join(out_dir, "fp8_results.json"), json.dumps(doc, indent=1, default=str))
     md = ["# fp8 campaign", ""] + markdown(doc)
     br.atomic_write(os.path.join(out_dir, "fp8_table.md"), "\n".join(md) + "\n")
@@ -372,13 +395,14 @@ def write_outputs(out_dir: str, rows: List[dict], meta: dict, train: Optional[di
 
 def rerender(path: str, out: str) -> int:
     """Rewrite a campaign's report from its saved rows (fp8_results.json or fp8_rows.json)."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-        rows, meta, train = doc["rows"], doc["meta"], doc.get("train")
-    except (OSError, ValueError, KeyError) as err:
-        raise SystemExit(f"--report-from {path}: not an fp8_results.json / fp8_rows.json ({type(err).__name__}: {err})")
+    doc = load(path)
     os.makedirs(out, exist_ok=True)
-    meta = {**meta, "rerendered": {"at": time.strftime("%Y-%m-%d %H:%M:%S")}}
-    print(write_outputs(out, rows, meta, train, final=True))
+    meta = {**doc["meta"], "rerendered": {"at": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    print(write_outputs(out, doc["rows"], meta, doc["train"], final=True))
     return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        raise SystemExit("usage: python experiments/bench_fp8_report.py RESULTS.json  (prints the markdown tables)")
+    print("\n".join(markdown(load(sys.argv[1]))))

@@ -154,7 +154,7 @@ def build_plan(args, workdir: str):
 
 #: Planning assumptions of the printed estimate (seconds; not measurements:
 #: the results' timeline holds what each phase took).
-ASSUME = {"startup": 20.0, "ref": {"medium": 100.0, "7b": 160.0}, "prep_cold": 45.0, "prep_warm": 15.0,
+ASSUME = {"startup": 20.0, "ref": {"medium": 140.0, "7b": 200.0}, "prep_cold": 45.0, "prep_warm": 15.0,
           "ffn_call_ms": {"1b": 1.5, "7b": 5.0}, "step_ms": {"medium": 110.0, "7b": 200.0}, "process": 1.5,
           "train_setup": 60.0, "train_pair_step": 0.2, "train_end": 15.0, "report": 10.0}
 

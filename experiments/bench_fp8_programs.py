@@ -235,15 +235,21 @@ def ffn_inputs(m: int, d: int, f: int, seed: int = 0) -> Dict[str, Any]:
     return {"p": p, "h": h, "cal": cal, "ct": ct}
 
 
-def ffn_programs(inputs: Dict[str, Any], variants=FFN_VARIANTS, flax_warmup: int = 3) -> Dict[str, dict]:
+def ffn_programs(inputs: Dict[str, Any], variants=FFN_VARIANTS, flax_warmup: int = 3,
+                 errors: Optional[Dict[str, str]] = None) -> Dict[str, dict]:
     """``{variant: {'fwd': (fn, args), 'fb': (fn, args)}}`` for the FFN variants.
 
     Ours binds the seam (calibration, gate) with the training command's
     recipe, observes gradient scales with one current-scaling backward and
     folds them in; Flax's variables are warmed by ``flax_warmup`` forward +
     backward calls (a fresh op scales by 1 until its histories fill). Every
-    variant gets the same params, input and cotangent.
+    variant gets the same params, input and cotangent. ``errors``: a dict
+    that receives ``{variant: why}`` for an fp8 variant that fails to build
+    (the others are still built); without it the failure raises.
     """
+    unknown = sorted(set(variants) - set(FFN_VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown FFN variant(s) {unknown}; expected some of {FFN_VARIANTS}")
     p, h, ct = inputs["p"], inputs["h"], inputs["ct"]
     from eae_jax.blocks import swiglu
 
@@ -251,45 +257,58 @@ def ffn_programs(inputs: Dict[str, Any], variants=FFN_VARIANTS, flax_warmup: int
     if "bf16" in variants:
         out["bf16"] = {"fwd": (swiglu, (p, h)), "fb": (_fb(swiglu, (0, 1)), (p, h, ct))}
     recipe = {k: v for k, v in train_fp8_recipe().items() if k != "fallback"}
-    ours = [v for v in variants if v.startswith("eae-")]
-    if ours:
-        seam0 = fp8.ffn_seam(**{**recipe, "gradient": "current"})
-        bound = fp8.bind(seam0, p, [c[1] for c in inputs["cal"]], residuals=[c[0] for c in inputs["cal"]])
-        observe = jax.jit(_fb(lambda s, pp, x: fp8.apply(seam0, s, pp, x), (0,)))
-        state = fp8.fold_state(seam0, bound.state, observe(bound.state, p, h, ct)[1][0])
-        if not bool(jnp.all(state.grad_scales > 0)):
-            raise RuntimeError("the current-scaling backward observed no gradient scales")
-        for v in ours:
-            seam = fp8.ffn_seam(**recipe, check_values=not v.endswith("-u"))
-            if "-in" in v:
-                def apply(s, pp, x, seam=seam):
-                    return fp8.apply(seam, fp8.cast_weights(seam, s, pp), pp, x)
-                st = state
-            else:
-                def apply(s, pp, x, seam=seam):
-                    return fp8.apply(seam, s, pp, x)
-                st = jax.jit(functools.partial(fp8.cast_weights, seam))(state, p)
-            out[v] = {"fwd": (apply, (st, p, h)), "fb": (_fb(apply, (0, 1, 2)), (st, p, h, ct))}
-    flax = [v for v in variants if v.startswith("flax-")]
-    if flax:
-        for v in flax:
-            kind = "direct" if v in ("flax-direct", "flax-pre") else "einsum"
-            vs = {"gu": flax_vars(kind), "down": flax_vars(kind)}
-            warm = jax.jit(_fb(lambda vv, pp, x: flax_ffn(kind, vv, pp, x), (0,)))
-            for _ in range(flax_warmup):
-                vs = warm(vs, p, h, ct)[1][0]
-            if v == "flax-pre":
-                def apply(vv, pp, x, cc):
-                    return flax_ffn_precast(vv, pp, cc, x)
-                casts = jax.jit(flax_ffn_casts)(vs, p)
-                out[v] = {"fwd": (apply, (vs, p, h, casts)), "fb": (_fb(apply, (0, 1, 2)), (vs, p, h, casts, ct))}
-            else:
-                def apply(vv, pp, x, kind=kind):
-                    return flax_ffn(kind, vv, pp, x)
-                out[v] = {"fwd": (apply, (vs, p, h)), "fb": (_fb(apply, (0, 1, 2)), (vs, p, h, ct))}
-    unknown = sorted(set(variants) - set(out))
-    if unknown:
-        raise ValueError(f"unknown FFN variant(s) {unknown}; expected some of {FFN_VARIANTS}")
+    shared: Dict[str, Any] = {}
+
+    def observed_state():
+        # One bind and one observing backward serve every variant of ours.
+        if "state" not in shared:
+            seam0 = fp8.ffn_seam(**{**recipe, "gradient": "current"})
+            bound = fp8.bind(seam0, p, [c[1] for c in inputs["cal"]], residuals=[c[0] for c in inputs["cal"]])
+            observe = jax.jit(_fb(lambda s, pp, x: fp8.apply(seam0, s, pp, x), (0,)))
+            state = fp8.fold_state(seam0, bound.state, observe(bound.state, p, h, ct)[1][0])
+            if not bool(jnp.all(state.grad_scales > 0)):
+                raise RuntimeError("the current-scaling backward observed no gradient scales")
+            shared["state"] = state
+        return shared["state"]
+
+    def build_ours(v):
+        state = observed_state()
+        seam = fp8.ffn_seam(**recipe, check_values=not v.endswith("-u"))
+        if "-in" in v:
+            def apply(s, pp, x):
+                return fp8.apply(seam, fp8.cast_weights(seam, s, pp), pp, x)
+            st = state
+        else:
+            def apply(s, pp, x):
+                return fp8.apply(seam, s, pp, x)
+            st = jax.jit(functools.partial(fp8.cast_weights, seam))(state, p)
+        return {"fwd": (apply, (st, p, h)), "fb": (_fb(apply, (0, 1, 2)), (st, p, h, ct))}
+
+    def build_flax(v):
+        kind = "direct" if v in ("flax-direct", "flax-pre") else "einsum"
+        vs = {"gu": flax_vars(kind), "down": flax_vars(kind)}
+        warm = jax.jit(_fb(lambda vv, pp, x: flax_ffn(kind, vv, pp, x), (0,)))
+        for _ in range(flax_warmup):
+            vs = warm(vs, p, h, ct)[1][0]
+        if v == "flax-pre":
+            def apply(vv, pp, x, cc):
+                return flax_ffn_precast(vv, pp, cc, x)
+            casts = jax.jit(flax_ffn_casts)(vs, p)
+            return {"fwd": (apply, (vs, p, h, casts)), "fb": (_fb(apply, (0, 1, 2)), (vs, p, h, casts, ct))}
+
+        def apply(vv, pp, x):
+            return flax_ffn(kind, vv, pp, x)
+        return {"fwd": (apply, (vs, p, h)), "fb": (_fb(apply, (0, 1, 2)), (vs, p, h, ct))}
+
+    for v in variants:
+        if v == "bf16":
+            continue
+        try:
+            out[v] = build_ours(v) if v.startswith("eae-") else build_flax(v)
+        except Exception as err:  # one variant's failure is its row's, not the campaign's
+            if errors is None:
+                raise
+            errors[v] = f"{type(err).__name__}: {str(err)[:500]}"
     return out
 
 

@@ -82,7 +82,8 @@ def ffn_summary(rows: List[dict]) -> Dict[str, dict]:
         variants = list(procs[0]["times_ms"])
         times = {v: {k: [p["times_ms"][v][k] for p in procs if v in p["times_ms"]] for k in KINDS} for v in variants}
         entry = {"shape": procs[0]["config_detail"], "processes": len(procs), "variants": {}, "ratios": [],
-                 "cos_fwd_vs_bf16": procs[0].get("cos_fwd_vs_bf16"), "hlo": procs[0].get("hlo")}
+                 "cos_fwd_vs_bf16": procs[0].get("cos_fwd_vs_bf16"), "hlo": procs[0].get("hlo"),
+                 "variant_errors": {v: why for p in procs for v, why in (p.get("variant_errors") or {}).items()}}
         for v in variants:
             entry["variants"][v] = {k: _entry(f"ffn/{shape}/{v}/{k}", times[v][k]) for k in KINDS}
         for k in KINDS:
@@ -151,8 +152,9 @@ def _clocks(windows: Sequence[Optional[dict]]) -> Optional[dict]:
 
 def cosine_summary(rows: List[dict]) -> Dict[str, dict]:
     """The reference processes' gradient agreements, per configuration."""
-    return {r["config"]: {k: r.get(k) for k in ("cosines", "loss", "loss_f32", "gate_worst_cos", "eae_step",
-                                                 "observe_step_rejected", "compile_s", "run_s", "bind_s")}
+    keys = ("cosines", "loss", "loss_f32", "gate_worst_cos", "eae_step", "flax_error", "observe_step_rejected",
+            "compile_s", "run_s", "bind_s")
+    return {r["config"]: {k: r.get(k) for k in keys}
             for r in rows if r.get("role") == "ref" and r.get("status") == "ok"}
 
 
@@ -279,6 +281,8 @@ def markdown(doc: dict) -> List[str]:
             cos = (e.get("cos_fwd_vs_bf16") or {}).get(v)
             md.append(f"| {DOC.get(v, v)} | {k['fwd']['ms']:.3f} | {_ci(k['fwd']['ci'])} | {k['fb']['ms']:.3f} | "
                       f"{_ci(k['fb']['ci'])} | {'-' if cos is None else f'{cos:.5f}'} |")
+        for v, why in (e.get("variant_errors") or {}).items():
+            md.append(f"| {DOC.get(v, v)} | did not build: {why.splitlines()[0][:200]} | | | | |")
         md += ["", "| ratio | pass | value | 95% CI | verdict | reading |", "|---|---|---|---|---|---|"]
         for r in e["ratios"]:
             md.append(f"| {r['name'].split('/', 3)[-1]} | {KINDS[r['kind']]} | " + " | ".join(_ratio_cells(r))
@@ -310,6 +314,9 @@ def markdown(doc: dict) -> List[str]:
                         md.append(f"| {config} | {what} | {ref[3:]} | {a['global']:.6f} | {a['min_leaf']:.6f} "
                                   f"({min(a['per_leaf'], key=a['per_leaf'].get)}) | {a['min_layer']:.6f} | "
                                   f"{a['size_weighted']:.6f} |")
+            if c.get("flax_error"):
+                md.append(f"| {config} | flax-fp8 | - | Flax's reference step failed: "
+                          f"{c['flax_error'].splitlines()[0][:200]} | | | |")
         md.append("")
     t = doc.get("train_summary")
     if t:

@@ -89,7 +89,9 @@ def hlo_counts(compiled) -> Dict[str, int]:
     return {
         "cublas_fp8": text.count('"__cublas$lt$matmul$f8"'),
         "cublas_all": len(re.findall(r'"__cublas\$[^"]*"', text)),
-        "triton_gemm": text.count("__triton_gemm"),
+        # Triton GEMM fusions under both kind names XLA has used ("__triton_gemm",
+        # and "__triton_nested_gemm_fusion" of the generic emitter, jax 0.11).
+        "triton_gemm": text.count('"__triton_gemm"') + text.count('"__triton_nested_gemm_fusion"'),
         # Conditionals, loops and copies in the program text (a scan body
         # counts once, not per layer).
         "conditionals": text.count(" conditional("),

@@ -185,8 +185,12 @@ class Runner:
         info["xla_flags"] = self.env.get("XLA_FLAGS", "")
         return info
 
+    def child_script(self, job: bp.Job) -> str:
+        """The script a job's process runs (``script SPEC.json``); other campaigns override it."""
+        return os.path.join(HERE, "bench_child_jax.py" if job.kind == "jax" else "bench_child_torch.py")
+
     def _spawn(self, job: bp.Job) -> None:
-        script = os.path.join(HERE, "bench_child_jax.py" if job.kind == "jax" else "bench_child_torch.py")
+        script = self.child_script(job)
         env = self.env
         if job.role == "ref":  # untimed: allocate and free per buffer, holding no pool beside the others
             env = dict(env, XLA_PYTHON_CLIENT_ALLOCATOR="platform")

@@ -87,3 +87,56 @@ def test_readme_has_the_two_set_up_commands():
     assert f'pip install -e ".[torch,dev]" && {TEST_COMMAND}' in text
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert 'pip install -q -e ".[torch,dev]"' in ci and TEST_COMMAND in ci
+
+
+BENCHMARKS = os.path.join(ROOT, "docs", "benchmarks.md")
+
+
+def _benchmark_tables():
+    from conftest import load_experiment
+
+    return load_experiment("bench_docs_tables")
+
+
+def test_benchmark_tables_recompute_from_their_results():
+    """Every marked table of docs/benchmarks.md is what its results file gives."""
+    tdt = _benchmark_tables()
+    text = open(BENCHMARKS).read()
+    assert len(tdt.tables(text)) >= 5
+    assert tdt.stale(text) == {}
+
+
+def test_benchmark_tables_check_fails_on_an_edited_number():
+    tdt = _benchmark_tables()
+    text = open(BENCHMARKS).read()
+    edited = text.replace("| T-compile / eae | time | 0.829 |", "| T-compile / eae | time | 0.830 |", 1)
+    assert edited != text
+    assert list(tdt.stale(edited)) == [f"ratios {p}" for k, p, _ in tdt.tables(text) if k == "ratios"][:1]
+
+
+def test_benchmark_time_ratios_match_the_raw_step_times():
+    """Each time ratio on the page against numpy over the results' per-step times:
+    median over processes of each process's median, one over the other."""
+    import json
+
+    import numpy as np
+
+    tdt = _benchmark_tables()
+    checked = 0
+    for kind, path, body in tdt.tables(open(BENCHMARKS).read()):
+        if kind != "ratios":
+            continue
+        rows = json.load(open(os.path.join(ROOT, path)))["rows"]
+
+        def stat(variant):
+            meds = [np.median(r["times_ms"]) for r in rows
+                    if r["variant"] == variant and r.get("role", "timed") == "timed" and r.get("status") == "ok"]
+            return float(np.median(meds))
+
+        for line in body.splitlines()[2:]:
+            name, what, value = [c.strip() for c in line.strip("|").split("|")[:3]]
+            if what == "time":
+                a, b = name.split(" / ")
+                assert float(value) == pytest.approx(stat(a) / stat(b), abs=6e-4), line
+                checked += 1
+    assert checked >= 10

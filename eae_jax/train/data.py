@@ -99,19 +99,25 @@ class TokenFile:
         if top >= self.vocab_size:
             raise ValueError(f"token file {self.path} has id {top}{where} >= vocab_size {self.vocab_size}")
 
-    def batch(self, key: jax.Array, batch: int) -> jax.Array:
-        """Int32 ``(batch, seq_len + 1)`` windows at positions drawn from ``key``."""
+    def batch(self, key: jax.Array, batch: int, rows: Optional[np.ndarray] = None) -> jax.Array:
+        """Int32 ``(batch, seq_len + 1)`` windows at positions drawn from ``key``
+        (``rows``: only those rows of that batch are read and returned)."""
         # A window is seq_len + 1 tokens (inputs and shifted targets): starts 0 .. n - seq_len - 1 all fit.
         high = self.tokens.shape[0] - self.seq_len
         starts = draw_starts(key, batch, high)
+        if rows is not None:
+            starts = starts[np.asarray(rows)]
         rows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts])
         # The constructor checks the first 2**20 ids only; ids past them are checked as they are drawn.
         self._check_ids(rows, f" in a window starting at one of the offsets {sorted(set(starts.tolist()))}")
         return jnp.asarray(rows.astype(np.int32))
 
 
-def make_batches(key: jax.Array, source: Optional[TokenFile], steps_batch: int, seq_len: int, vocab: int):
-    """One step's tokens from ``source`` (None: synthetic)."""
+def make_batches(key: jax.Array, source: Optional[TokenFile], steps_batch: int, seq_len: int, vocab: int,
+                 rows: Optional[np.ndarray] = None):
+    """One step's tokens from ``source`` (None: synthetic); ``rows``: only those rows
+    of it (a token file reads only their windows)."""
     if source is None:
-        return synthetic_batch(key, steps_batch, seq_len, vocab)
-    return source.batch(key, steps_batch)
+        tokens = synthetic_batch(key, steps_batch, seq_len, vocab)
+        return tokens if rows is None else tokens[np.asarray(rows)]
+    return source.batch(key, steps_batch, rows)

@@ -1,10 +1,10 @@
-"""Atomic, resumable checkpoints of arbitrary pytrees of arrays.
+"""Reading the ``.npz`` checkpoints runs wrote before checkpoints moved to Orbax.
 
-A checkpoint is one ``.npz`` file named ``ckpt_<step>.npz`` holding every leaf
-under its tree path, plus a JSON metadata entry. It is written to a temporary
-file in the same directory, flushed and fsync'ed, then renamed into place, so
-a crash never leaves a half-written checkpoint under the final name, and the
-previous checkpoints stay until the new one is complete.
+Such a checkpoint is one file ``ckpt_<step>.npz`` holding every leaf of the
+training state under its tree path (`jax.tree_util.keystr`), plus a JSON
+metadata entry ``__metadata__.json``. A run directory holding them resumes
+from the newest one (`eae_jax.train.checkpoint.CheckpointStore`) and writes
+Orbax checkpoints from there on.
 """
 
 from __future__ import annotations
@@ -12,138 +12,31 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
-import time
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eae_jax.fileio import new_file_mode
+from eae_jax.train.errors import CheckpointError, UnreadableCheckpointError
 
 _NAME = re.compile(r"^ckpt_(\d{8})\.npz$")
 _META_KEY = "__metadata__.json"
-_TMP_PREFIX = ".ckpt_tmp_"
-_TMP_PID = re.compile(r"^\.ckpt_tmp_(\d+)_")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable, or does not fit the expected state."""
-
-
-def _flatten(tree: Any) -> dict:
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        name = jax.tree_util.keystr(path)
-        if name in out:
-            raise CheckpointError(f"two leaves share the path {name}")
-        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        out[name] = np.asarray(leaf)
-    return out
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def remove_stale_temporaries(directory: str, max_age_s: float = 24 * 3600.0) -> list:
-    """Delete the temporary files of checkpoint writes that can no longer
-    finish (a writer killed before its rename), and return their paths.
-
-    A temporary is stale when the process that named it (its pid is in the
-    name) is gone, or, without a pid in the name, when it is older than
-    ``max_age_s``. A live writer's file is never touched.
-    """
-    removed = []
-    if not os.path.isdir(directory):
-        return removed
-    now = time.time()
-    for name in os.listdir(directory):
-        if not name.startswith(_TMP_PREFIX):
-            continue
-        path = os.path.join(directory, name)
-        m = _TMP_PID.match(name)
-        try:
-            stale = (not _pid_alive(int(m.group(1)))) if m else now - os.path.getmtime(path) > max_age_s
-            if stale and os.path.isfile(path):
-                os.unlink(path)
-                removed.append(path)
-        except FileNotFoundError:  # another writer cleaned it or renamed it
-            continue
-    return removed
-
-
-def save(directory: str, step: int, tree: Any, metadata: Optional[dict] = None, keep: int = 3) -> str:
-    """Write ``tree`` as ``directory/ckpt_<step>.npz`` atomically.
-
-    Args:
-      directory: created if missing.
-      step: training step (names the file).
-      tree: pytree of arrays (typed PRNG keys are stored as key data).
-      metadata: JSON-serialisable dict stored alongside.
-      keep: how many newest checkpoints to keep (older ones are deleted
-        only after the new one is in place); 0 keeps all.
-
-    Temporaries left by a writer that was killed mid-write are deleted first
-    (`remove_stale_temporaries`).
-
-    Returns:
-      The path written.
-    """
-    os.makedirs(directory, exist_ok=True)
-    arrays = _flatten(tree)
-    meta = dict(metadata or {}, step=int(step))
-    arrays[_META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    final = os.path.join(directory, f"ckpt_{int(step):08d}.npz")
-    remove_stale_temporaries(directory)
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{os.getpid()}_", suffix=".npz", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, new_file_mode(final))
-        os.replace(tmp, final)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    if keep > 0:
-        for old in list_checkpoints(directory)[:-keep]:
-            os.unlink(old)
-    return final
 
 
 def list_checkpoints(directory: str) -> list:
-    """Complete checkpoints in ``directory``, oldest first (files only: a directory under a
-    checkpoint's name, say another tool's partial write, is neither resumed nor pruned)."""
+    """The ``.npz`` checkpoints in ``directory``, oldest first (files only).
+
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> np.savez(os.path.join(folder, "ckpt_00000002.npz"), x=np.zeros(1))
+    >>> [os.path.basename(p) for p in list_checkpoints(folder)]
+    ['ckpt_00000002.npz']
+    """
     if not os.path.isdir(directory):
         return []
     names = sorted(n for n in os.listdir(directory) if _NAME.match(n) and os.path.isfile(os.path.join(directory, n)))
     return [os.path.join(directory, n) for n in names]
-
-
-def latest(directory: str) -> Optional[str]:
-    """Path of the newest checkpoint, or None."""
-    found = list_checkpoints(directory)
-    return found[-1] if found else None
-
-
-class UnreadableCheckpointError(CheckpointError):
-    """A checkpoint file cannot be read at all (not an archive, damaged, truncated)."""
 
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -154,6 +47,12 @@ def load(path: str) -> tuple:
 
     The file is identified by content (a zip archive, as ``np.savez``
     writes), and every entry is read, so a damaged one is found here.
+
+    >>> import tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt_00000001.npz")
+    >>> np.savez(path, **{"['w']": np.ones(2), _META_KEY: np.frombuffer(b'{"step": 1}', np.uint8)})
+    >>> load(path)
+    ({"['w']": array([1., 1.])}, {'step': 1})
 
     Raises:
       UnreadableCheckpointError: not an archive, damaged or truncated (the
@@ -183,41 +82,6 @@ def load(path: str) -> tuple:
     return stored, meta
 
 
-def read_metadata(path: str) -> dict:
-    """The metadata dict of a checkpoint (the whole file is read: see `load`).
-
-    Raises:
-      CheckpointError: unreadable file or metadata entry.
-    """
-    return load(path)[1]
-
-
-def set_aside(path: str) -> str:
-    """Rename an unreadable checkpoint to ``<path>.unreadable`` (``.unreadable.1`` ... when
-    taken) and return the new path: kept for inspection, never resumed, pruned or overwritten."""
-    target, n = f"{path}.unreadable", 0
-    while os.path.exists(target):
-        n += 1
-        target = f"{path}.unreadable.{n}"
-    os.rename(path, target)
-    return target
-
-
-def newest_readable(directory: str) -> tuple:
-    """``(path, arrays, metadata, unreadable)`` of the newest checkpoint of ``directory``
-    that `load` reads; ``unreadable`` lists ``(path, error)`` of the newer ones it skipped.
-    ``path`` is None when there is none (``unreadable`` then lists every checkpoint)."""
-    unreadable = []
-    for path in reversed(list_checkpoints(directory)):
-        try:
-            arrays, meta = load(path)
-        except UnreadableCheckpointError as err:
-            unreadable.append((path, err))
-            continue
-        return path, arrays, meta, unreadable
-    return None, None, None, unreadable
-
-
 def _decode_metadata(path: str, raw: np.ndarray) -> dict:
     try:
         meta = json.loads(bytes(raw).decode() or "{}")
@@ -228,52 +92,39 @@ def _decode_metadata(path: str, raw: np.ndarray) -> dict:
     return meta
 
 
-def restore(path: str, template: Any) -> tuple:
-    """Read a checkpoint into the structure of ``template`` (`load`, then `fit`).
+def match(path: str, stored: dict, template: Any) -> list:
+    """The arrays of a loaded checkpoint (`load`) for the leaves of ``template``, in
+    its leaf order, as numpy (a typed key leaf gets its key data, uint32).
 
-    Returns:
-      ``(tree, metadata)``.
+    Every leaf of ``template`` (arrays or `jax.ShapeDtypeStruct`) must be
+    present with the same shape; values are converted to its dtype.
 
-    Raises:
-      CheckpointError: unreadable/truncated file, or missing, unexpected or
-        mis-shaped entries (all listed in one message).
-    """
-    arrays, meta = load(path)
-    return fit(path, arrays, template), meta
-
-
-def fit(path: str, stored: dict, template: Any) -> Any:
-    """Arrays of a loaded checkpoint (`load`) in the structure of ``template``.
-
-    Every leaf of ``template`` must be present with the same shape; dtypes
-    are converted to the template's (typed keys rebuilt with its impl).
+    >>> match("ckpt.npz", {"['w']": np.ones(2)}, {"w": jnp.zeros(2, jnp.int32)})
+    [array([1, 1], dtype=int32)]
+    >>> match("ckpt.npz", {"['w']": np.ones(2)}, {"v": jnp.zeros(2)})
+    Traceback (most recent call last):
+    ...
+    eae_jax.train.errors.CheckpointError: checkpoint ckpt.npz does not fit the training state:
+      missing ['v']
+      unexpected ['w']
 
     Raises:
       CheckpointError: missing, unexpected or mis-shaped entries (all
         listed in one message naming ``path``).
     """
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-    problems, leaves = [], []
-    expected_names = set()
-    for key_path, ref in paths_leaves:  # not `path`: the error below names the file
+    problems, leaves, expected_names = [], [], set()
+    for key_path, ref in jax.tree_util.tree_flatten_with_path(template)[0]:  # not `path`: that is the file
         name = jax.tree_util.keystr(key_path)
         expected_names.add(name)
-        is_key = hasattr(ref, "dtype") and jnp.issubdtype(ref.dtype, jax.dtypes.prng_key)
-        ref_data = jax.random.key_data(ref) if is_key else ref
+        is_key = jnp.issubdtype(ref.dtype, jax.dtypes.prng_key)
+        shape = tuple(jax.eval_shape(jax.random.key_data, ref).shape) if is_key else tuple(ref.shape)
         if name not in stored:
             problems.append(f"missing {name}")
-            leaves.append(ref)
-            continue
-        value = stored[name]
-        if tuple(value.shape) != tuple(np.shape(ref_data)):
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected {tuple(np.shape(ref_data))}")
-            leaves.append(ref)
-            continue
-        if is_key:
-            leaves.append(jax.random.wrap_key_data(jnp.asarray(value, jnp.uint32), impl=jax.random.key_impl(ref)))
+        elif tuple(stored[name].shape) != shape:
+            problems.append(f"{name}: shape {tuple(stored[name].shape)}, expected {shape}")
         else:
-            leaves.append(jnp.asarray(value, dtype=ref.dtype))
+            leaves.append(np.asarray(stored[name], dtype=np.uint32 if is_key else ref.dtype))
     problems += [f"unexpected {n}" for n in sorted(set(stored) - expected_names)]
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit the training state:\n  " + "\n  ".join(problems))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    return leaves

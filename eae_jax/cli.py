@@ -25,6 +25,10 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 #: name -> (module, function, help). The function gets the argv after the name.
 COMMANDS: Dict[str, Tuple[str, str, str]] = {
     "train": ("eae_jax.train.cli", "main", "train a LLaMA-style LM with boundary-only reconstruction"),
+    "export": ("eae_jax.export", "main",
+               "write a training run (or any checkpoint) as a Hugging Face directory or a llama2.c .bin/.pt"),
+    "generate": ("eae_jax.generate", "main",
+                 "sample from a training run, a llama2.c or a Hugging Face checkpoint (KV cache, streamed)"),
     "parity": ("interop.cli", "parity_main",
                "compare the JAX port with the torch reference (needs the torch extra: pip install 'eae-jax[torch]')"),
 }

@@ -51,6 +51,10 @@ class SlotPlan(NamedTuple):
       nbytes: the boundary's size in bytes.
       unit: the word size in bytes the bytes move in (the smallest itemsize
         among the boundary and the chosen leaves).
+
+    >>> p = plan([((16,), jnp.float32)], (4, 4), jnp.float32)
+    >>> p.leaves, p.chunks, p.nbytes
+    ((0,), ((0, 64),), 64)
     """
 
     leaves: Tuple[int, ...]
@@ -74,6 +78,11 @@ def plan(param_leaf_specs, boundary_shape, boundary_dtype) -> Optional[SlotPlan]
     Returns:
       A `SlotPlan`, or None when the block's float leaves are smaller than a
       boundary (or the boundary is not a float array).
+
+    >>> plan([((8,), jnp.float32), ((20,), jnp.float32)], (4, 4), jnp.float32).leaves
+    (1,)
+    >>> plan([((15,), jnp.float32)], (4, 4), jnp.float32) is None  # one element short of a boundary
+    True
     """
     bdtype = jnp.dtype(boundary_dtype)
     if not jnp.issubdtype(bdtype, jnp.floating):
@@ -83,8 +92,12 @@ def plan(param_leaf_specs, boundary_shape, boundary_dtype) -> Optional[SlotPlan]
         return None
     cands = []
     for idx, (shape, dtype) in enumerate(param_leaf_specs):
+        # Ints, bools and typed PRNG keys (which `jnp.dtype` cannot even
+        # interpret) get no float gradient to share bytes with.
+        if not jnp.issubdtype(dtype, jnp.floating):
+            continue
         dtype = jnp.dtype(dtype)
-        if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 8:
+        if dtype.itemsize <= 8:
             elems = int(np.prod(shape, dtype=np.int64))
             if elems:
                 cands.append((elems * dtype.itemsize, idx, elems, dtype))
@@ -142,17 +155,33 @@ def _row(i):
 
 def empty_slots(p: SlotPlan, depth: int) -> Tuple[jax.Array, ...]:
     """Zeroed slot buffers, one ``(depth, elems)`` unsigned array (the width of
-    the leaf's dtype) per chosen leaf."""
+    the leaf's dtype) per chosen leaf.
+
+    >>> p = plan([((16,), jnp.float32)], (4, 4), jnp.float32)
+    >>> [(b.shape, b.dtype.name) for b in empty_slots(p, 3)]
+    [((3, 16), 'uint32')]
+    """
     return tuple(jnp.zeros((depth, e), _uint(d)) for e, d in zip(p.elems, p.dtypes))
 
 
 def to_grads(p: SlotPlan, slots: Tuple[jax.Array, ...]) -> Tuple[jax.Array, ...]:
-    """The slot buffers reinterpreted as the chosen leaves' gradients ``(depth, elems)``."""
+    """The slot buffers reinterpreted as the chosen leaves' gradients ``(depth, elems)``.
+
+    >>> p = plan([((16,), jnp.float32)], (4, 4), jnp.float32)
+    >>> to_grads(p, empty_slots(p, 3))[0].dtype
+    dtype('float32')
+    """
     return tuple(jax.lax.bitcast_convert_type(buf, d) for buf, d in zip(slots, p.dtypes))
 
 
 def pack(p: SlotPlan, boundary: jax.Array, slots: Tuple[jax.Array, ...], i) -> Tuple[jax.Array, ...]:
-    """Write ``boundary`` into row ``i`` of the slot buffers (in place under scan)."""
+    """Write ``boundary`` into row ``i`` of the slot buffers (in place under scan).
+
+    >>> p = plan([((16,), jnp.float32)], (4, 4), jnp.float32)
+    >>> slots = pack(p, jnp.arange(16.0).reshape(4, 4), empty_slots(p, 3), 1)
+    >>> unpack(p, slots, 1)[1]
+    Array([4., 5., 6., 7.], dtype=float32)
+    """
     u = p.unit
     raw = _to_words(boundary, u)
     end = max(off + n for off, n in p.chunks) // u
@@ -166,7 +195,12 @@ def pack(p: SlotPlan, boundary: jax.Array, slots: Tuple[jax.Array, ...], i) -> T
 
 
 def unpack(p: SlotPlan, slots: Tuple[jax.Array, ...], i) -> jax.Array:
-    """Read the boundary stored in row ``i`` of the slot buffers."""
+    """Read the boundary stored in row ``i`` of the slot buffers.
+
+    >>> p = plan([((16,), jnp.float32)], (4, 4), jnp.float32)
+    >>> unpack(p, pack(p, jnp.ones((4, 4)), empty_slots(p, 2), 0), 0).shape
+    (4, 4)
+    """
     u = p.unit
     parts: List[jax.Array] = []
     for buf, dtype, (off, n) in zip(slots, p.dtypes, p.chunks):
@@ -178,7 +212,16 @@ def unpack(p: SlotPlan, slots: Tuple[jax.Array, ...], i) -> jax.Array:
 
 
 def store_grads(p: SlotPlan, slots: Tuple[jax.Array, ...], grad_leaves, i) -> Tuple[jax.Array, ...]:
-    """Overwrite row ``i`` of each slot buffer with that block's gradient leaf."""
+    """Overwrite row ``i`` of each slot buffer with that block's gradient leaf.
+
+    ``grad_leaves`` are all of one block's gradient leaves (``tree_leaves``
+    order); only the chosen ones are written.
+
+    >>> p = plan([((16,), jnp.float32)], (4, 4), jnp.float32)
+    >>> slots = store_grads(p, empty_slots(p, 2), [jnp.full((16,), 0.5)], 1)
+    >>> to_grads(p, slots)[0][:, 0]
+    Array([0. , 0.5], dtype=float32)
+    """
     out = []
     for buf, dtype, k in zip(slots, p.dtypes, p.leaves):
         bits = jax.lax.bitcast_convert_type(grad_leaves[k].astype(dtype).reshape(1, -1), buf.dtype)

@@ -243,6 +243,28 @@ def llama2c_rope_tables(head_dim: int, seq_len: int, theta: float = LLAMA2C_ROPE
     return torch.cos(angles).numpy(), torch.sin(angles).numpy()
 
 
+def rope_tables_error(cos: np.ndarray, sin: np.ndarray, head_dim: int, theta: float = LLAMA2C_ROPE_THETA) -> float:
+    """How far ``(seq, head_dim/2)`` cos/sin tables are from base-``theta`` RoPE tables,
+    beyond the float32 rounding of their angles.
+
+    llama2.c computes the angles in float32, so at position p an angle is off
+    by a few of its ulps (about p * 2^-24 rad); that much (4 ulps) is allowed
+    before the distance counts. Needs no torch: a float64 reference.
+
+    Example:
+      >>> from interop.llama2c import llama2c_rope_tables, rope_tables_error
+      >>> cos, sin = llama2c_rope_tables(head_dim=8, seq_len=512)
+      >>> rope_tables_error(cos, sin, 8) < 1e-7, rope_tables_error(cos, sin, 8, theta=10001.0) > 1e-4
+      (True, True)
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2)[: head_dim // 2] / head_dim)
+    angles = np.outer(np.arange(cos.shape[0]), inv_freq)
+    slack = 4 * np.spacing(angles.astype(np.float32)).astype(np.float64)
+    excess = max(float(np.max(np.abs(cos - np.cos(angles)) - slack)),
+                 float(np.max(np.abs(sin - np.sin(angles)) - slack)))
+    return max(excess, 0.0)
+
+
 def _bin_layout(dim, hidden, layers, heads, kv, vocab, seq, shared, version):
     """(name, shape) in file order; per-layer tensors are stacked ``(L, ...)``."""
     hd = dim // heads
@@ -270,8 +292,9 @@ def load_llama2c_bin(path: str, *, dtype: Any = None) -> ImportedModel:
     """Read a llama2.c ``.bin`` export (version 0 legacy or version 1) and import it.
 
     The RoPE tables a version-0 file carries are checked against base-10000
-    interleaved tables and kept in ``meta['rope_tables']`` so that
-    `save_llama2c_bin` can write the file back byte for byte.
+    interleaved tables (`rope_tables_error`, no torch needed) and kept in
+    ``meta['rope_tables']`` so that `save_llama2c_bin` can write the file back
+    byte for byte.
 
     Raises:
       CorruptCheckpointError: truncated file or trailing bytes.
@@ -334,8 +357,7 @@ def load_llama2c_bin(path: str, *, dtype: Any = None) -> ImportedModel:
     meta = {"format": f"llama2c_bin_v{version}", "source": path, "sha256": file_sha256(path), "model_args": args}
     if version == 0:
         cos, sin = raw["freq_cis_real"], raw["freq_cis_imag"]
-        ref_cos, ref_sin = llama2c_rope_tables(dim // heads, seq)
-        err = max(float(np.abs(cos - ref_cos).max()), float(np.abs(sin - ref_sin).max()))
+        err = rope_tables_error(cos, sin, dim // heads)
         if err > 1e-5:
             raise UnsupportedConfigError(
                 f"{path}: its RoPE tables differ from base-10000 tables by up to {err:.3g}; only llama2.c's standard "

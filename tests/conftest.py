@@ -10,13 +10,16 @@ import importlib.util
 import os
 import sys
 
+import chex
 import jax
 import numpy as np
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-#: The real trained tiny LLaMA beside the checkout (never committed).
-STORIES = os.path.abspath(os.path.join(ROOT, "..", "shared", "models", "stories260K.bin"))
+#: The real trained tiny LLaMA beside the checkout (never committed); EAE_STORIES260K points elsewhere
+#: (a worktree whose ../shared is not the checkout's).
+STORIES = os.path.abspath(os.environ.get("EAE_STORIES260K")
+                          or os.path.join(ROOT, "..", "shared", "models", "stories260K.bin"))
 
 #: Skip marker for tests that read stories260K.bin.
 needs_stories = pytest.mark.skipif(
@@ -29,6 +32,18 @@ def rel_err(a, b) -> float:
     """``||a - b|| / ||b||`` in float64 (``||b||`` floored at 1e-30)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_grads_close(got, want, rtol: float, atol: float) -> None:
+    """`chex.assert_trees_all_close` for gradient trees that may hold float0
+    leaves (the gradients of int, bool or PRNG-key params): those must match
+    in shape and dtype, the others in value."""
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+
+    def values(tree):
+        return jax.tree_util.tree_map(lambda a: None if a.dtype == jax.dtypes.float0 else a, tree)
+
+    chex.assert_trees_all_close(values(got), values(want), rtol=rtol, atol=atol)
 
 
 def has_gpu() -> bool:
@@ -103,6 +118,19 @@ def small_llama2c_bytes(tmp_path, version: int, shared: bool = True) -> bytes:
     interop.save_llama2c_bin(path, init_lm(jax.random.key(0), lm), lm, version=version)
     with open(path, "rb") as f:
         return f.read()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """The directory of a finished two-step ``eae-jax train`` run (tiny preset, batch 2, seq 16).
+
+    Made once per session by the training command itself; tests only read it.
+    """
+    from eae_jax.train import TrainConfig, train
+
+    out = str(tmp_path_factory.mktemp("tiny_run"))
+    train(TrainConfig(preset="tiny", steps=2, batch=2, seq_len=16, out=out, log_every=1), log_fn=lambda m: None)
+    return out
 
 
 def damage_checkpoint(path: str, how: str) -> dict:

@@ -1,5 +1,6 @@
 """The carry codec: exact round trips, and robustness to what may happen to a cotangent."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,11 +22,15 @@ def example_tree():
 
 
 def assert_tree_equal(a, b):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)):
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x, y = jax.random.key_data(x), jax.random.key_data(y)
-        assert x.dtype == y.dtype, path
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+    """Same structure, dtypes (key implementations included) and bits."""
+    def data(tree):
+        return jax.tree_util.tree_map(
+            lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
+
+    chex.assert_trees_all_equal_structs(a, b)
+    assert jax.tree_util.tree_map(lambda x: x.dtype, a) == jax.tree_util.tree_map(lambda x: x.dtype, b)
+    chex.assert_trees_all_equal_shapes_and_dtypes(data(a), data(b))
+    chex.assert_trees_all_equal(data(a), data(b))
 
 
 def test_round_trip_is_exact_for_every_leaf_kind():

@@ -48,6 +48,38 @@ def test_plan_is_none_when_params_are_smaller_than_a_boundary():
     assert p.leaves == (1,)  # largest first, and only as many as needed
 
 
+def test_plan_skips_int_bool_and_typed_key_leaves():
+    # A typed PRNG key (flax nnx.Dropout's rng state) used to crash the plan:
+    # "Cannot interpret 'key<fry>' as a data type".
+    keys = jax.random.split(jax.random.key(0), 40)
+    specs = [(keys.shape, keys.dtype), ((30,), jnp.int32), ((50,), jnp.bool_), ((16,), jnp.float32)]
+    p = grad_slots.plan(specs, (4, 4), jnp.float32)
+    assert p.leaves == (3,) and p.chunks == ((0, 64),)
+    assert grad_slots.plan(specs[:3], (4, 4), jnp.float32) is None
+
+
+@pytest.mark.parametrize("leaf_elems, bdtype, shape, fits", [
+    (16, jnp.float32, (4, 4), True),     # exactly one boundary's bytes
+    (15, jnp.float32, (4, 4), False),    # one element short
+    (8, jnp.bfloat16, (4, 4), True),     # 32 bytes of bf16 in 8 float32 elements
+    (7, jnp.bfloat16, (4, 4), False),
+    (2, jnp.bfloat16, (3,), True),       # 6 bytes take two whole float32 elements (2 bytes of padding)
+    (1, jnp.bfloat16, (3,), False),
+])
+def test_plan_threshold_is_exactly_one_boundary(leaf_elems, bdtype, shape, fits):
+    p = grad_slots.plan([((leaf_elems,), jnp.float32)], shape, bdtype)
+    assert (p is not None) == fits
+    if fits:
+        assert p.leaves == (0,) and p.chunks == ((0, leaf_elems * 4),)
+
+
+def test_plan_takes_the_largest_leaves_first_and_breaks_ties_by_position():
+    f32 = jnp.float32
+    assert grad_slots.plan([((16,), f32), ((16,), f32)], (4, 4), f32).leaves == (0,)
+    p = grad_slots.plan([((6,), f32), ((10,), f32), ((4,), f32)], (4, 4), f32)
+    assert p.leaves == (1, 0) and p.chunks == ((0, 40), (40, 24))  # 40 + 24 bytes = one boundary
+
+
 def _setup(dtype=jnp.float32, depth=4):
     cfg = BlockConfig(dim=32, num_heads=4, num_kv_heads=2, ffn_hidden_dim=64)
     params = jax.tree_util.tree_map(lambda a: a.astype(dtype), init_stack(jax.random.key(0), cfg, depth))
@@ -77,7 +109,7 @@ def test_slotted_stack_gives_the_same_gradients_and_carry(kwargs):
     # themselves round-trip exactly: test_pack_unpack_round_trips_the_exact_bits).
     chex.assert_trees_all_close(g_slot, g_sep, rtol=2e-5, atol=1e-8)
     if not kwargs:  # and both are ordinary autodiff's gradients
-        want = jax.grad(lambda p: _loss(plain_stack(block, p, x)))(params)
+        want = jax.jit(jax.grad(lambda p: _loss(plain_stack(block, p, x))))(params)
         chex.assert_trees_all_close(g_slot[0], want, rtol=2e-5, atol=1e-7)
 
 
@@ -116,8 +148,8 @@ def test_heterogeneous_stack_and_too_small_params_fall_back():
             h = h * pl[1]["s"][i]
         return block(pl[2], h)
 
-    got = jax.grad(lambda pl: _loss(stack(pl, x)))(plist)
-    want = jax.grad(lambda pl: _loss(ref(pl)))(plist)
+    got = jax.jit(jax.grad(lambda pl: _loss(stack(pl, x))))(plist)
+    want = jax.jit(jax.grad(lambda pl: _loss(ref(pl))))(plist)
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-7)
 
 

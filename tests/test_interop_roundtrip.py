@@ -22,6 +22,7 @@ from conftest import STORIES, hf_config_dict, hf_params, needs_stories, small_ll
 from eae_jax.blocks import BlockConfig  # noqa: E402
 from eae_jax.models import LMConfig, init_lm  # noqa: E402
 from interop.hf_llama import hf_config_from_lm, hf_state_dict, lm_config_from_hf  # noqa: E402
+from interop.errors import UnsupportedConfigError  # noqa: E402
 from interop.llama2c import llama2c_state_dict  # noqa: E402
 from interop.torch_blocks import infer_rope_theta  # noqa: E402
 
@@ -436,3 +437,21 @@ def test_exports_get_the_usual_file_mode(tmp_path):
         assert path.stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(umask)
+
+
+def test_llama2c_bin_rope_check_needs_no_torch_and_keeps_long_tables(tmp_path, monkeypatch):
+    """Reading a .bin computed its reference RoPE tables with torch (no torch: no .bin); the check
+    now allows the float32 rounding of the angles, which long tables need, and still refuses another base."""
+    from interop.llama2c import llama2c_rope_tables, load_llama2c_bin, rope_tables_error
+
+    long_cos, long_sin = llama2c_rope_tables(128, 4096)        # as llama2.c's export computes them
+    assert rope_tables_error(long_cos, long_sin, 128) <= 1e-5
+    lm = LMConfig(11, 1, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=64), tie_embeddings=True)
+    params = init_lm(jax.random.key(0), lm)
+    good, bad = str(tmp_path / "good.bin"), str(tmp_path / "bad.bin")
+    interop.save_llama2c_bin(good, params, lm)
+    interop.save_llama2c_bin(bad, params, lm, rope_tables=llama2c_rope_tables(4, 64, theta=10001.0))
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)     # as if torch were not installed
+    assert load_llama2c_bin(good).meta["rope_tables_max_abs_diff"] <= 1e-5
+    with pytest.raises(UnsupportedConfigError, match="base-10000"):
+        load_llama2c_bin(bad)

@@ -153,3 +153,27 @@ def test_carry_refusal_names_what_happened(calls, fragment):
     with pytest.raises(RuntimeError, match=fragment):
         carry_lib._raise_on_bad_calls(np.float32(calls))
     carry_lib._raise_on_bad_calls(np.float32(1.0))
+
+
+@pytest.mark.parametrize("dtype, kind", [
+    (jnp.int8, "widen"), (jnp.uint16, "widen"), (jnp.bool_, "widen"),  # narrower than a 32-bit word
+    (jnp.int32, "bits32"), (jnp.uint32, "bits32"),                      # exactly one word
+    (jnp.bfloat16, "float"), (jnp.float32, "float"),
+])
+def test_leaves_up_to_32_bits_round_trip_at_their_extremes(dtype, kind):
+    info = jnp.iinfo(dtype) if jnp.issubdtype(dtype, jnp.integer) else None
+    values = ([info.min, info.min + 1, -1 if info.min < 0 else 1, 0, info.max - 1, info.max] if info is not None
+              else [True, False] if dtype == jnp.bool_ else [-3.5, 0.0, 1e-30, 6.5e4])
+    leaf = jnp.array(values, dtype)
+    assert O.codec_for(leaf) == O.LeafCodec(kind, jnp.dtype(dtype).name)
+    back = O.value(O.handle({"x": leaf}, reduce="replace"))["x"]
+    assert back.dtype == leaf.dtype
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(leaf))
+
+
+def test_leaves_wider_than_32_bits_are_refused_by_name():
+    with jax.enable_x64(True):
+        with pytest.raises(TypeError, match="wider than 32 bits"):
+            O.codec_for(jnp.zeros(2, jnp.int64))
+        with pytest.raises(TypeError, match=r"state leaf \['n'\].*wider than 32 bits"):
+            O.handle({"n": jnp.zeros(2, jnp.uint64)}, reduce="replace")

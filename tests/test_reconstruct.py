@@ -1,24 +1,26 @@
-"""Gradient equivalence, composition and memory of `eae_jax.reconstruct`."""
+"""`eae_jax.reconstruct`: gradients against plain autodiff, composition,
+memory, arguments and carries, higher-order derivatives.
+
+The storages one by one: tests/test_reconstruct_storage.py.
+"""
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rel_err
 
 import eae_jax
+from eae_jax import passes as P
 from eae_jax.blocks import BlockConfig, decoder_block, init_block, init_stack, plain_stack
 from eae_jax.blocks.linear import init_linear, linear
 
 
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def max_tree_rel_err(a, b):
+    """The largest per-leaf `rel_err` of two trees of one structure, shapes and dtypes."""
     chex.assert_trees_all_equal_shapes_and_dtypes(a, b)
-    return max(rel_err(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    return max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(rel_err, a, b)))
 
 
 def loss_of(out):
@@ -135,7 +137,7 @@ def test_composes_with_has_aux_and_nested_loss_and_stats():
         norms.append(np.linalg.norm(np.asarray(g)))
     np.testing.assert_allclose(np.asarray(stats["adjoint_norm"]), norms[::-1], rtol=1e-5)
     assert int(stats["step"]) == 0 and float(stats["calls"]) == 1.0
-    _, stats2 = stack.update(carry2, jax.grad(lambda c: loss_of(stack(params, x, c)))(carry2))
+    _, stats2 = stack.update(carry2, jax.jit(jax.grad(lambda c: loss_of(stack(params, x, c))))(carry2))
     assert int(stats2["step"]) == 1
 
 
@@ -147,8 +149,8 @@ def test_boundary_dtype_bf16_stores_rounded_boundaries():
     stack = eae_jax.reconstruct(block, boundary_dtype="bf16")
     y = stack(params, x)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(plain_stack(block, params, x)))
-    got = jax.grad(lambda p: loss_of(stack(p, x)))(params)
-    want = jax.grad(lambda p: loss_of(plain_stack(block, p, x)))(params)
+    got = jax.jit(jax.grad(lambda p: loss_of(stack(p, x))))(params)
+    want = jax.jit(jax.grad(lambda p: loss_of(plain_stack(block, p, x))))(params)
     err = max_tree_rel_err(got, want)
     assert 0 < err < 2e-2  # recomputed from bf16-rounded boundaries: close, not identical
 
@@ -157,7 +159,7 @@ def test_boundary_dtype_bf16_stores_rounded_boundaries():
     separate = eae_jax.reconstruct(block, boundary_dtype="bf16", boundaries_in_grads=False)
     jaxpr = jax.make_jaxpr(lambda p: jax.vjp(lambda q: separate(q, x), p)[1])(params)
     assert "bf16[3,2,6,16]" in str(jaxpr)
-    chex.assert_trees_all_equal(jax.grad(lambda p: loss_of(separate(p, x)))(params), got)
+    chex.assert_trees_all_equal(jax.jit(jax.grad(lambda p: loss_of(separate(p, x))))(params), got)
 
 
 # ---------------------------------------------------------------- bad inputs
@@ -269,6 +271,180 @@ def test_vmap_over_a_batch_of_inputs():
     params = init_stack(jax.random.key(0), cfg, 3)
     xs = jax.random.normal(jax.random.key(1), (3, 1, 5, 16))
     stack = eae_jax.reconstruct(block)
-    got = jax.vmap(lambda x: jax.grad(lambda p: loss_of(stack(p, x)))(params))(xs)
-    want = jax.vmap(lambda x: jax.grad(lambda p: loss_of(plain_stack(block, p, x)))(params))(xs)
+    got = jax.jit(jax.vmap(lambda x: jax.grad(lambda p: loss_of(stack(p, x)))(params)))(xs)
+    want = jax.jit(jax.vmap(lambda x: jax.grad(lambda p: loss_of(plain_stack(block, p, x)))(params)))(xs)
     assert max_tree_rel_err(got, want) <= 1e-5
+
+
+# ---------------------------------------------------------------- small residual stacks
+def _block(w, x):
+    return x + jnp.tanh(x @ w["w"]) * w["s"]
+
+
+def _plain(params, x):
+    return jax.lax.scan(lambda h, p: (_block(p, h), None), x, params)[0]
+
+
+def _params(depth, dim, dtype, key=0):
+    return {"w": jax.random.normal(jax.random.key(key), (depth, dim, dim), dtype) * 0.4,
+            "s": jnp.linspace(0.5, 1.5, depth, dtype=dtype)}
+
+
+@pytest.mark.parametrize("boundaries_in_grads", [True, False])
+@pytest.mark.parametrize("depth", [1, 3])
+def test_float64_stack_under_x64_matches_plain_autodiff(depth, boundaries_in_grads):
+    # With jax_enable_x64 the gradient-slot store mixed an int32 row index with
+    # an int64 literal 0 and every default stack failed to trace.
+    with jax.enable_x64(True):
+        params = _params(depth, 6, jnp.float64)
+        x = jax.random.normal(jax.random.key(1), (2, 6), jnp.float64)
+        stack = eae_jax.reconstruct(_block, boundaries_in_grads=boundaries_in_grads)
+        got = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(stack(p, x))), argnums=(0, 1)))(params, x)
+        ref = jax.grad(lambda p, x: jnp.sum(jnp.sin(_plain(p, x))), argnums=(0, 1))(params, x)
+        assert all(l.dtype == jnp.float64 for l in jax.tree_util.tree_leaves(got))
+        chex.assert_trees_all_close(got, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw", [{}, {"offload": "unrolled"}])
+def test_depth_zero_scan_is_the_identity(kw):
+    # A scanned run of depth 0 failed to trace (slot store, unrolled offload).
+    head = jnp.arange(16.0).reshape(4, 4) / 8 - 1  # not symmetric: a transposed weight would show
+    stack = eae_jax.reconstruct([eae_jax.Scan(_block), lambda w, x: x @ w], passes=P.statistics(), **kw)
+    params = [_params(0, 4, jnp.float32), head]
+    x = jnp.arange(8.0).reshape(2, 4)
+    carry = stack.init(params, x)
+    gp, gc, gx = jax.jit(jax.grad(lambda p, c, x: jnp.sum(stack(p, x, c) ** 2), argnums=(0, 1, 2)))(params, carry, x)
+    _, stats = stack.update(carry, gc)
+    want_w, want_x = jax.grad(lambda w, x: jnp.sum((x @ w) ** 2), argnums=(0, 1))(head, x)
+    chex.assert_trees_all_close((gp[1], gx), (want_w, want_x), rtol=1e-6)
+    assert gp[0]["w"].shape == (0, 4, 4) and stats["adjoint_norm"].shape == (2,) and int(stats["calls"]) == 1
+
+
+@pytest.mark.parametrize("blocks", [None, 5, "ab"])
+def test_reconstruct_rejects_non_blocks_clearly(blocks):
+    with pytest.raises(TypeError, match="reconstruct: blocks must be"):
+        eae_jax.reconstruct(blocks)
+
+
+def test_lone_scan_and_list_input():
+    # A lone Scan (a NamedTuple) was iterated as a list of blocks; a nested
+    # list x raised AttributeError.
+    params = _params(2, 3, jnp.float32)
+    x = [[0.1, -0.2, 0.3]]
+    got = eae_jax.reconstruct(eae_jax.Scan(_block, "run"))(params, x)
+    np.testing.assert_allclose(got, _plain(params, jnp.asarray(x)), rtol=1e-6)
+
+
+def test_carry_of_another_depth_raises_clearly():
+    stack = eae_jax.reconstruct(_block, passes=P.capture())
+    x = jnp.ones((2, 4))
+    carry = stack.init(_params(3, 4, jnp.float32), x)
+    with pytest.raises(ValueError, match="carry was made for a stack with 4 boundaries"):
+        jax.grad(lambda p, c: jnp.sum(stack(p, x, c)), argnums=(0, 1))(_params(5, 4, jnp.float32), carry)
+
+
+# ---------------------------------------------------------------- higher order
+def _grad_of_grad(stack_fn, params, x):
+    inner = lambda p, x: jax.grad(lambda x: jnp.sum(jnp.sin(stack_fn(p, x))))(x)  # noqa: E731
+    return jax.grad(lambda p: jnp.sum(inner(p, x) ** 2))(params)
+
+
+@pytest.mark.parametrize("kw", [{"boundaries_in_grads": False}, {"policy": "dots"}])
+def test_grad_of_grad_matches_plain_autodiff(kw):
+    with jax.enable_x64(True):
+        params, x = _params(3, 4, jnp.float64), jax.random.normal(jax.random.key(1), (2, 4), jnp.float64)
+        got = _grad_of_grad(eae_jax.reconstruct(_block, **kw), params, x)
+        chex.assert_trees_all_close(got, _grad_of_grad(_plain, params, x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw, fix", [({}, "boundaries_in_grads=False"), ({"offload": True}, "offload=False"),
+                                     ({"offload": "unrolled"}, "offload=False")])
+def test_grad_of_grad_through_byte_stored_boundaries_raises(kw, fix):
+    # Boundaries kept as raw bytes in the gradient slots (the default) have
+    # no derivative path: grad of grad silently returned wrong numbers.
+    params, x = _params(3, 4, jnp.float32), jnp.ones((2, 4))
+    with pytest.raises(ValueError, match=fix):
+        _grad_of_grad(eae_jax.reconstruct(_block, **kw), params, x)
+
+
+# ---------------------------------------------------------------- init and the carry
+@pytest.mark.parametrize("key", [0, 7, np.int64(7), "typed", "raw"])
+def test_init_takes_int_seeds_and_both_key_kinds(key):
+    # An int seed used to fail deep inside jax.random.split with a message
+    # about key_data attributes.
+    stack = eae_jax.reconstruct(_block, passes=P.gaussian_noise(0.1))
+    params, x = _params(3, 4, jnp.float32), jnp.ones((2, 4))
+    as_key = {"typed": jax.random.key(7), "raw": jax.random.PRNGKey(7)}.get(key, key)
+    carry = stack.init(params, x, key=as_key)
+    ref = stack.init(params, x, key=jax.random.key(int(key) if not isinstance(key, str) else 7))
+    chex.assert_trees_all_equal(carry, ref)
+
+
+@pytest.mark.parametrize("key", [1.5, True, "0", jnp.zeros((3,), jnp.uint32), jax.random.split(jax.random.key(0), 2)])
+def test_init_refuses_what_is_not_a_key(key):
+    stack = eae_jax.reconstruct(_block, passes=P.gaussian_noise(0.1))
+    params, x = _params(3, 4, jnp.float32), jnp.ones((2, 4))
+    with pytest.raises(TypeError, match="key must be"):
+        stack.init(params, x, key=key)
+
+
+@pytest.mark.parametrize("change", ["dtype", "rows"])
+def test_carry_made_for_other_shapes_or_dtypes_is_named(change):
+    # A capture state made for float32 adjoints was silently cast from the
+    # bfloat16 ones; a top-k residual made for 2 rows failed inside the
+    # backward with a bare broadcasting error.
+    stack = eae_jax.reconstruct(_block, passes=P.chain(P.capture(), P.topk_compress(0.5)))
+    params, x = _params(3, 4, jnp.float32), jnp.ones((2, 4))
+    carry = stack.init(params, x)
+    if change == "dtype":
+        params, x = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params), x.astype(jnp.bfloat16)
+    else:
+        x = jnp.ones((3, 4))
+
+    def loss(p, c, x_):
+        return jnp.sum(stack(p, x_, c).astype(jnp.float32))
+
+    with pytest.raises(ValueError, match=r"pass state .*(bfloat16|float32\[3, 3, 4\])"):
+        jax.grad(loss, argnums=(0, 1))(params, carry, x)
+    # The carry made for this call works.
+    jax.grad(loss, argnums=(0, 1))(params, stack.init(params, x), x)
+
+
+def test_params_without_depth_axis_are_explained():
+    # Unstacked params of a scanned block: the first weight axis was taken
+    # for the depth and the message only said the block changed the shape.
+    stack = eae_jax.reconstruct(lambda p, x: jnp.tanh(x @ p["w"]))
+    with pytest.raises(ValueError, match=r"params \{\['w'\]: float32\[4\]\}.*leading depth axis; it was read as 4"):
+        stack({"w": jnp.ones((4, 4))}, jnp.ones((2, 4)))
+
+
+def test_side_with_python_scalars_passes_the_carry_check():
+    # The carry check abstracted side leaf by leaf and failed on a Python float.
+    stack = eae_jax.reconstruct(lambda p, x, side: _block(p, x) * side["a"], passes=P.capture())
+    params, x, side = _params(3, 4, jnp.float32), jnp.ones((2, 4)), {"a": 2.0}
+    carry = stack.init(params, x, side=side)
+    g, _ = jax.jit(jax.grad(lambda p, c: jnp.sum(stack(p, x, c, side=side)), argnums=(0, 1)))(params, carry)
+    ref = jax.grad(lambda p: jnp.sum(jax.lax.scan(lambda h, q: (_block(q, h) * 2.0, None), x, p)[0]))(params)
+    chex.assert_trees_all_close(g, ref, rtol=0, atol=1e-5)
+
+
+def test_numpy_float64_input_is_canonicalised_like_jit_does():
+    """A numpy float64 x (x64 off) looked like a scanned block changing the
+    dtype (float64 -> float32) and was refused; lax.scan accepts it."""
+    params = _params(3, 4, jnp.float32)
+    x = np.linspace(-1.0, 1.0, 8).reshape(2, 4)  # float64
+    stack = eae_jax.reconstruct(_block)
+    y = stack(params, x)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), np.asarray(_plain(params, jnp.asarray(x))), rtol=1e-6)
+    g = jax.grad(lambda p: jnp.sum(stack(p, x) ** 2))(params)
+    ref = jax.grad(lambda p: jnp.sum(_plain(p, jnp.asarray(x)) ** 2))(params)
+    chex.assert_trees_all_close(g, ref, rtol=0, atol=1e-5)
+
+
+def test_layout_errors_name_typed_key_params():
+    # Formatting the params of a failing block crashed on a typed key's dtype.
+    stack = eae_jax.reconstruct(lambda p, x: x @ p["w"])
+    params = {"w": jnp.ones((2, 3, 4)), "rng": jax.random.split(jax.random.key(0), 2)}
+    with pytest.raises(ValueError, match=r"\{\['rng'\]: key<fry>\[\], \['w'\]: float32\[3, 4\]\}"):
+        stack(params, jnp.ones((1, 3)))

@@ -11,7 +11,7 @@ JSON object: the run's config and the step).
   goes on (the next save, `wait` or `close` waits for it).
 * Atomic: Orbax writes into a temporary directory and renames it into place
   when complete; a killed writer leaves a temporary that is never resumed
-  (and is removed when the next run opens the store), and the older
+  (and is removed before the next run's first save), and the older
   checkpoints stay until the new one is complete.
 * Keep-last-N: the ``keep`` newest checkpoints stay (0 keeps all).
 * Any mesh: `CheckpointStore.restore` reads each leaf straight into the
@@ -24,6 +24,7 @@ move to Orbax (`eae_jax.train.legacy_npz`): they are resumed like the rest.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable, List, Optional, Tuple
 
 import jax
@@ -35,6 +36,7 @@ from eae_jax.train.errors import CheckpointError, UnreadableCheckpointError
 
 STEP_PREFIX = "ckpt"
 STEP_DIGITS = 8
+_STEP_DIR = re.compile(rf"^{STEP_PREFIX}_(\d{{{STEP_DIGITS}}})$")
 
 
 def _key_name(entry) -> str:
@@ -143,14 +145,16 @@ class CheckpointStore:
     >>> store.close()
     """
 
-    def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
         self.directory = os.path.abspath(directory)
+        # read_only: a reader (export, generate) creates, cleans and deletes nothing.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep or None, step_prefix=STEP_PREFIX, step_format_fixed_length=STEP_DIGITS, create=True,
-            cleanup_tmp_directories=True, enable_async_checkpointing=async_save)
+            max_to_keep=keep or None, step_prefix=STEP_PREFIX, step_format_fixed_length=STEP_DIGITS,
+            create=not read_only, cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save,
+            read_only=read_only)
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
@@ -313,3 +317,86 @@ class CheckpointStore:
         _barrier(f"eae_jax set aside {os.path.basename(path)}")
         self._manager.reload()
         return target
+
+
+# ---------------------------------------------------------------------- reading without a store
+def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
+    """``(step, path)`` of the complete checkpoints in ``directory`` (Orbax step
+    directories, legacy ``.npz`` files), oldest first, read from the names alone
+    (an Orbax checkpoint gets its final name only once complete).
+
+    >>> import tempfile
+    >>> list_checkpoints(tempfile.mkdtemp())
+    []
+    """
+    if not os.path.isdir(directory):
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, name)) for name in os.listdir(directory)
+             if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(directory, name))]
+    found += [(int(os.path.basename(p)[len(STEP_PREFIX) + 1:-len(".npz")]), p)
+              for p in legacy_npz.list_checkpoints(directory)]
+    return sorted(found, key=lambda sp: (sp[0], sp[1].endswith(".npz")))
+
+
+def latest(directory: str) -> Optional[str]:
+    """The path of the newest checkpoint in ``directory``, or None (see `list_checkpoints`).
+
+    >>> import tempfile
+    >>> latest(tempfile.mkdtemp()) is None
+    True
+    """
+    found = list_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether ``path`` names a checkpoint: an Orbax step directory or a legacy ``.npz``.
+
+    >>> is_checkpoint("runs/x/checkpoints/ckpt_00000004"), is_checkpoint("runs/x/log.jsonl")
+    (True, False)
+    """
+    name = os.path.basename(path.rstrip("/"))
+    return bool(_STEP_DIR.match(name)) or (name.startswith(STEP_PREFIX + "_") and name.endswith(".npz"))
+
+
+def read_metadata(path: str) -> dict:
+    """The metadata of the checkpoint at ``path`` (its run's config and step), read-only.
+
+    Raises:
+      UnreadableCheckpointError: it cannot be read.
+
+    >>> import tempfile
+    >>> store = CheckpointStore(tempfile.mkdtemp())
+    >>> path = store.save(5, {"w": jnp.ones(2)}, {"note": "x"})
+    >>> store.wait()
+    >>> read_metadata(path)
+    {'note': 'x', 'step': 5}
+    """
+    if path.endswith(".npz"):
+        return legacy_npz.load(path)[1]
+    store = CheckpointStore(os.path.dirname(os.path.abspath(path)), read_only=True)
+    try:
+        return store.read_metadata(path)
+    finally:
+        store.close()
+
+
+def restore(path: str, template: Any, shardings: Any = None) -> tuple:
+    """``(state, metadata)`` of the checkpoint at ``path``, read-only (`CheckpointStore.restore`).
+
+    >>> import tempfile
+    >>> store = CheckpointStore(tempfile.mkdtemp())
+    >>> path = store.save(1, {"w": jnp.arange(3.0)})
+    >>> store.wait()
+    >>> restore(path, {"w": jnp.zeros(3)})[0]["w"].tolist()
+    [0.0, 1.0, 2.0]
+    """
+    if path.endswith(".npz"):
+        arrays, meta = legacy_npz.load(path)
+        values = legacy_npz.match(path, arrays, template)
+        return _rebuild(template, [jnp.asarray(v) for v in values]), meta
+    store = CheckpointStore(os.path.dirname(os.path.abspath(path)), read_only=True)
+    try:
+        return store.restore(path, template, shardings)
+    finally:
+        store.close()

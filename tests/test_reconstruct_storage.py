@@ -1,0 +1,370 @@
+"""Every boundary storage of `eae_jax.reconstruct` against an independent reference.
+
+Each storage runs each stack shape (a scanned run, a list of single blocks,
+a heterogeneous stack fed int tokens, a side input) and must give plain
+`jax.grad`'s gradients; with a pass chain, the pass state and statistics of
+a per-block VJP chain written here; with bf16 boundaries, the gradients of
+recomputing every block from its rounded input. The block draws a dropout
+mask from a typed PRNG key in its params and reads an int counter there,
+as a flax ``nnx.Dropout`` layer's state does: those leaves get the float0
+gradients plain ``jax.grad(allow_int=True)`` gives them.
+"""
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_grads_close, rel_err
+
+import eae_jax
+from eae_jax import passes as P
+from eae_jax.reconstruct import (GradSlots, Host, HostUnrolled, OnDevice, Policy, Scan, Segment, SegmentLayout,
+                                 Storage)
+from eae_jax.reconstruct.policy import split_vjp
+
+STORAGES = {
+    "device": OnDevice(),
+    "grad_slots": GradSlots(),
+    "policy": Policy("dots"),
+    "host": Host(),
+    "host_unrolled": HostUnrolled(),
+}
+
+
+def mlp(p, h):
+    """A residual MLP block with dropout (mask from the key ``p['rng']``) and an int counter ``p['n']``."""
+    keep = jax.random.bernoulli(p["rng"], 0.75, h.shape)
+    return h + jnp.where(keep, jnp.tanh(h @ p["w1"]) @ p["w2"], 0.0) * (p["s"] + 0.25 * p["n"])
+
+
+def mlp_params(key, depth=None):
+    lead = () if depth is None else (depth,)
+    k = jax.random.split(key, 3)
+    return {"w1": 0.4 * jax.random.normal(k[0], lead + (8, 12)), "w2": 0.4 * jax.random.normal(k[1], lead + (12, 8)),
+            "s": jnp.broadcast_to(jnp.linspace(0.5, 1.5, 8), lead + (8,)),
+            "rng": k[2] if depth is None else jax.random.split(k[2], depth),
+            "n": jnp.int32(1) if depth is None else jnp.arange(depth, dtype=jnp.int32)}
+
+
+def embed(table, tokens):
+    return jnp.take(table, tokens, axis=0)
+
+
+def head(w, h):
+    return h @ w
+
+
+def gated(p, h, gate):
+    return mlp(p, h) * gate[:, None]
+
+
+def _rows(p, i):
+    return jax.tree_util.tree_map(lambda a: a[i], p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A stack: ``blocks`` for `reconstruct`, its params and inputs, and the
+    same model as a plain list of ``(block fn, one block's params)``."""
+
+    blocks: object
+    params: object
+    x: jax.Array
+    side: object = None
+
+    def flat(self, params):
+        items = self.blocks if isinstance(self.blocks, list) else [Scan(self.blocks)]
+        plist = params if isinstance(self.blocks, list) else [params]
+        out = []
+        for item, p in zip(items, plist):
+            if isinstance(item, Scan):
+                depth = jax.tree_util.tree_leaves(p)[0].shape[0]
+                out += [(item.fn, _rows(p, i)) for i in range(depth)]
+            else:
+                out.append((item, p))
+        return out
+
+    def plain(self, params, x):
+        for fn, p in self.flat(params):
+            x = fn(p, x) if self.side is None else fn(p, x, self.side)
+        return x
+
+
+def _case(name) -> Case:
+    k = jax.random.split(jax.random.key(11), 8)
+    x = jax.random.normal(k[0], (3, 8))
+    if name == "scanned":
+        return Case(mlp, mlp_params(k[1], 3), x)
+    if name == "blocks":
+        return Case([mlp, mlp, mlp], [mlp_params(kk) for kk in jax.random.split(k[2], 3)], x)
+    if name == "hetero_int_input":
+        return Case([embed, Scan(mlp, "body"), mlp, head],
+                    [jax.random.normal(k[3], (11, 8)), mlp_params(k[4], 2), mlp_params(k[5]),
+                     0.5 * jax.random.normal(k[6], (8, 5))], jnp.array([3, 0, 9], jnp.int32))
+    if name == "side":
+        return Case(gated, mlp_params(k[1], 3), x, side=jnp.array([0.5, 1.5, 1.0]))
+    raise KeyError(name)
+
+
+CASES = ("scanned", "blocks", "hetero_int_input", "side")
+
+
+def loss_of(out):
+    w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape) * 0.37)
+    return jnp.sum(jnp.tanh(out) * w)
+
+
+def _argnums(x):
+    return (0, 1) if jnp.issubdtype(x.dtype, jnp.floating) else 0
+
+
+@functools.lru_cache(maxsize=None)
+def plain_grads(name):
+    """Loss and gradients of plain autodiff over the unreconstructed model."""
+    case = _case(name)
+    return jax.jit(jax.value_and_grad(lambda p, x: loss_of(case.plain(p, x)), argnums=_argnums(case.x),
+                                      allow_int=True))(case.params, case.x)
+
+
+@pytest.mark.parametrize("case_name", CASES)
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_gradients_equal_plain_grad(storage, case_name):
+    case = _case(case_name)
+    stack = eae_jax.reconstruct(case.blocks, storage=STORAGES[storage])
+    got = jax.jit(jax.value_and_grad(lambda p, x: loss_of(stack(p, x, side=case.side)), argnums=_argnums(case.x),
+                                     allow_int=True))(case.params, case.x)
+    want = plain_grads(case_name)
+    assert rel_err(got[0], want[0]) <= 1e-6
+    assert_grads_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
+#: Which storage serves each segment of each case (`Reconstructed.storages`).
+SERVED = {
+    "device": {"scanned": ["OnDevice"], "blocks": ["OnDevice"] * 3, "hetero_int_input": ["OnDevice"] * 4,
+               "side": ["OnDevice"]},
+    "grad_slots": {"scanned": ["GradSlots"], "blocks": ["OnDevice"] * 3,
+                   "hetero_int_input": ["OnDevice", "GradSlots", "OnDevice", "OnDevice"], "side": ["GradSlots"]},
+    "policy": {"scanned": ["Policy"], "blocks": ["Policy"] * 3, "hetero_int_input": ["Policy"] * 4,
+               "side": ["Policy"]},
+    "host": {"scanned": ["Host"], "blocks": ["Host"] * 3, "hetero_int_input": ["Host"] * 4, "side": ["Host"]},
+    "host_unrolled": {"scanned": ["HostUnrolled"], "blocks": ["Host"] * 3,
+                      "hetero_int_input": ["Host", "HostUnrolled", "Host", "Host"], "side": ["HostUnrolled"]},
+}
+
+
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_bind_picks_the_storage_serving_each_segment(storage):
+    for name in CASES:
+        case = _case(name)
+        stack = eae_jax.reconstruct(case.blocks, storage=STORAGES[storage])
+        served = [type(s).__name__ for s in stack.storages(case.params, case.x, side=case.side)]
+        assert served == SERVED[storage][name], name
+
+
+@pytest.mark.parametrize("depth, slots, host", [(0, "OnDevice", "Host"), (1, "GradSlots", "HostUnrolled")])
+def test_a_run_of_depth_zero_is_served_by_the_plain_scan(depth, slots, host):
+    params, x = mlp_params(jax.random.key(0), depth), jnp.ones((3, 8))
+    for storage, served in ((GradSlots(), slots), (HostUnrolled(), host)):
+        (store,) = eae_jax.reconstruct(mlp, storage=storage).storages(params, x)
+        assert type(store).__name__ == served
+
+
+@pytest.mark.parametrize("elems, served", [(24, "GradSlots"), (23, "OnDevice")])
+def test_grad_slots_serve_a_run_whose_float_params_hold_one_boundary(elems, served):
+    # The boundary is 3 x 8 float32: 24 elements. Int and key leaves hold no gradient bytes.
+    params = {"s": jnp.ones((2, elems)), "rng": jax.random.split(jax.random.key(0), 2),
+              "n": jnp.zeros((2, 100), jnp.int32)}
+    stack = eae_jax.reconstruct(lambda p, h: h * jnp.mean(p["s"]), storage=GradSlots())
+    (store,) = stack.storages(params, jnp.ones((3, 8)))
+    assert type(store).__name__ == served
+
+
+# ----------------------------------------------------------------------------- passes
+PASSES = (P.int8_fake_quant(), P.clip_by_norm(0.05))
+
+
+def reference_with_passes(case, passes, key):
+    """Per-block VJP chain with ``passes`` applied at every float boundary:
+    ``(param grads per block, pass state per boundary, norms in, norms out)``."""
+    flat = case.flat(case.params)
+    hs = [case.x]
+    for fn, p in flat:
+        hs.append(fn(p, hs[-1]))
+    num = len(hs)
+    keys = jax.random.split(key, num)
+    states, n_in, n_out = [None] * num, np.zeros(num), np.zeros(num)
+
+    def at(i, g):
+        state = passes.init(jax.ShapeDtypeStruct(g.shape, g.dtype), keys[i])
+        out, states[i] = passes.update(g, state, P.PassContext(jnp.int32(i), jnp.int32(i), jnp.int32(0), num))
+        n_in[i], n_out[i] = np.linalg.norm(np.asarray(g, np.float64)), np.linalg.norm(np.asarray(out, np.float64))
+        return out
+
+    g = at(num - 1, jax.grad(loss_of)(hs[-1]))
+    grads = [None] * len(flat)
+    for i in reversed(range(len(flat))):
+        fn, p = flat[i]
+        if jnp.issubdtype(hs[i].dtype, jnp.floating):
+            _, pullback = jax.vjp(fn, p, hs[i])
+            grads[i], g = pullback(g)
+            g = at(i, g)
+        else:
+            _, pullback = jax.vjp(lambda pp: fn(pp, hs[i]), p)
+            (grads[i],) = pullback(g)
+    return grads, states, n_in, n_out
+
+
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_pass_state_and_stats_equal_a_per_block_reference(storage):
+    case = _case("hetero_int_input")
+    stack = eae_jax.reconstruct(case.blocks, storage=STORAGES[storage], passes=list(PASSES))
+    carry = stack.init(case.params, case.x, jax.random.key(5))
+
+    @jax.jit
+    def step(p, c):
+        gp, gc = jax.grad(lambda p, c: loss_of(stack(p, case.x, c)), argnums=(0, 1), allow_int=True)(p, c)
+        c, stats = stack.update(c, gc)
+        return gp, stack.state(c), stats
+
+    gp, state, stats = step(case.params, carry)
+    grads, states, n_in, n_out = reference_with_passes(case, P.chain(*PASSES), jax.random.key(5))
+    # the stack's gradients and states per block: the scanned run's are stacked
+    stack_grads = [gp[0], _rows(gp[1], 0), _rows(gp[1], 1), gp[2], gp[3]]
+    assert_grads_close(stack_grads, grads, rtol=2e-5, atol=1e-7)
+    seg = state["segments"]
+    assert seg[0] is None and states[0] is None  # int token ids carry no adjoint
+    chex.assert_trees_all_close([_rows(seg[1], 0), _rows(seg[1], 1), seg[2], seg[3], state["top"]], states[1:],
+                                rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(stats["adjoint_norm"]), n_in, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(stats["adjoint_norm_after_passes"]), n_out, rtol=2e-5)
+    assert float(stats["calls"]) == 1.0
+
+
+# ----------------------------------------------------------------------------- bf16 boundaries
+def rounded_boundary_grads(case):
+    """Gradients of recomputing each block from its input rounded to bf16
+    (the forward itself unrounded)."""
+    flat = case.flat(case.params)
+    hs = [case.x]
+    for fn, p in flat:
+        hs.append(fn(p, hs[-1]))
+    g = jax.grad(loss_of)(hs[-1])
+    grads = [None] * len(flat)
+    for i in reversed(range(len(flat))):
+        fn, p = flat[i]
+        _, pullback = jax.vjp(fn, p, hs[i].astype(jnp.bfloat16).astype(hs[i].dtype))
+        grads[i], g = pullback(g)
+    return grads, g
+
+
+@pytest.mark.parametrize("storage", [OnDevice, GradSlots, Host, HostUnrolled])
+def test_bf16_boundaries_recompute_each_block_from_its_rounded_input(storage):
+    case = _case("scanned")
+    stack = eae_jax.reconstruct(case.blocks, storage=storage("bfloat16"))
+    y = jax.jit(stack)(case.params, case.x)
+    # the forward is unrounded (bf16 would be off by ~1e-3)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(case.plain(case.params, case.x)), rtol=1e-6, atol=1e-6)
+    gp, gx = jax.jit(jax.grad(lambda p, x: loss_of(stack(p, x)), argnums=(0, 1), allow_int=True))(case.params, case.x)
+    want, want_x = rounded_boundary_grads(case)
+    assert_grads_close([_rows(gp, i) for i in range(3)] + [gx], want + [want_x], rtol=1e-5, atol=1e-6)
+    # and the rounding is real: plain autodiff differs
+    assert rel_err(gp["w1"], plain_grads("scanned")[1][0]["w1"]) > 1e-4
+
+
+# ----------------------------------------------------------------------------- per segment
+def test_one_storage_per_segment():
+    case = _case("hetero_int_input")
+    storages = [Host(), GradSlots(), Policy("dots_all"), OnDevice()]
+    stack = eae_jax.reconstruct(case.blocks, storage=storages)
+    assert [s.kind for s in stack.storages(case.params, case.x)] == ["host", "grad_slots", "policy", "device"]
+    got = jax.jit(jax.value_and_grad(lambda p: loss_of(stack(p, case.x)), allow_int=True))(case.params)
+    want = plain_grads("hetero_int_input")
+    assert rel_err(got[0], want[0]) <= 1e-6
+    assert_grads_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, served", [
+    ({}, GradSlots(None)),
+    ({"boundaries_in_grads": False}, OnDevice(None)),
+    ({"boundary_dtype": "bf16"}, GradSlots(jnp.bfloat16)),
+    ({"boundary_dtype": "bf16", "boundaries_in_grads": False}, OnDevice(jnp.bfloat16)),
+    ({"offload": True, "boundary_dtype": "bf16"}, Host(jnp.bfloat16)),
+    ({"offload": "scan"}, Host(None)),
+    ({"offload": "unrolled"}, HostUnrolled(None)),
+    ({"policy": "boundaries"}, GradSlots(None)),
+    ({"policy": "dots", "offload": True, "boundary_dtype": "bf16"}, Policy("dots")),
+])
+def test_keywords_choose_one_storage_for_all_segments(kwargs, served):
+    stack = eae_jax.reconstruct(mlp, **kwargs)
+    (store,) = stack.storage
+    assert type(store) is type(served) and getattr(store, "dtype", None) == getattr(served, "dtype", None)
+    assert getattr(store, "policy", None) is getattr(served, "policy", None)
+
+
+def test_storage_arguments_are_checked():
+    with pytest.raises(ValueError, match="storage= or boundary_dtype, offload, not both"):
+        eae_jax.reconstruct(mlp, storage=OnDevice(), offload=True, boundary_dtype="bf16")
+    with pytest.raises(ValueError, match="storage= or boundaries_in_grads"):
+        eae_jax.reconstruct(mlp, storage=OnDevice(), boundaries_in_grads=False)
+    with pytest.raises(ValueError, match="2 storages given for 4 segments"):
+        eae_jax.reconstruct(_case("hetero_int_input").blocks, storage=[OnDevice(), Host()])
+    with pytest.raises(TypeError, match="storage 1 is 'host'"):
+        eae_jax.reconstruct([mlp, mlp], storage=[OnDevice(), "host"])
+    with pytest.raises(ValueError, match="unknown policy"):
+        Policy("sometimes")
+    assert type(Policy("boundaries").bind(None)) is OnDevice
+
+
+# ----------------------------------------------------------------------------- policy residuals
+def test_policy_supplies_the_params_again_instead_of_keeping_them():
+    case = _case("scanned")
+    one_block = jax.eval_shape(lambda p: _rows(p, 0), case.params)
+    layout = SegmentLayout(Segment(mlp, "mlp", True), 3, one_block, jax.eval_shape(lambda x: x, case.x), None, 0)
+    split = split_vjp(layout, jax.checkpoint_policies.everything_saveable)
+    names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(case.params)]
+    given = {names[j] for src, j in split.sources if src == "param"}
+    assert {"['w1']", "['w2']"} <= given  # both matmuls' backward reads its weight
+
+
+class _KeepAll(Policy):
+    """`Policy` keeping every residual, the params and side input included."""
+
+    def bind(self, layout):
+        split = split_vjp(layout, self.policy)
+        return dataclasses.replace(self, split=split._replace(
+            sources=tuple(("kept", k) for k in range(len(split.sources)))))
+
+
+def test_policy_keeps_no_copy_of_the_side_input_per_block():
+    # A residual that is the side input was stacked once per block by the
+    # scan; a stacked copy of the params too where JAX does not forward a
+    # scan's unchanged inputs.
+    depth, side = 6, jnp.linspace(0.0, 1.0, 256 * 8).reshape(256, 8)
+    params = mlp_params(jax.random.key(0), depth)
+    x = jnp.ones((256, 8))
+
+    def temp_bytes(storage):
+        stack = eae_jax.reconstruct(lambda p, h, s: mlp(p, h) * s, storage=storage)
+        f = jax.jit(jax.grad(lambda p, x, s: jnp.sum(stack(p, x, side=s)), allow_int=True))
+        return f.lower(params, x, side).compile().memory_analysis().temp_size_in_bytes
+
+    saved = temp_bytes(_KeepAll("dots")) - temp_bytes(Policy("dots"))
+    assert saved >= (depth - 1) * side.size * 4, saved / (side.size * 4)
+
+
+def test_a_custom_storage_is_two_methods():
+    class Inputs(Storage):
+        def save(self, layout, params, x, side):
+            return layout.call(params, x, side), x
+
+        def restore(self, layout, params, residual, g, side):
+            return layout.vjp(params, residual, g, side)
+
+    case = _case("hetero_int_input")
+    stack = eae_jax.reconstruct(case.blocks, storage=Inputs())
+    got = jax.jit(jax.value_and_grad(lambda p: loss_of(stack(p, case.x)), allow_int=True))(case.params)
+    assert_grads_close(got[1], plain_grads("hetero_int_input")[1], rtol=1e-5, atol=1e-6)

@@ -45,6 +45,7 @@ MODULES = (
     "eae_jax.parallel.pipeline",
     "eae_jax.parallel.pipeline_lm",
     "eae_jax.parallel.rules",
+    "eae_jax.parallel.storage",
     "eae_jax.reconstruct.adjoint",
     "eae_jax.reconstruct.host",
     "eae_jax.reconstruct.policy",

@@ -4,17 +4,10 @@
 gradients and AdamW moments follow `eae_jax.parallel.lm_param_shardings`
 (split over ``fsdp`` and ``model``, block ranges over ``stage``); the
 adjoint carry, step and key are replicated; token batches are split over
-``data`` and ``fsdp``. The stack is `lm_stack` with `gather_block` around
-the decoder block, or the `PipelinedLM` when ``stage > 1``.
-
-Boundary storage per mesh: a scanned run's boundaries go into its gradient
-slot buffers (`eae_jax.reconstruct`'s ``boundaries_in_grads``) only on a
-one-device mesh. A slot buffer is laid out like the params, a boundary
-like the batch: on any other mesh every boundary written into a slot and
-read back would be resharded between the two (all-gathers of the batch
-for replicated params, all-to-alls for FSDP-split ones;
-``experiments/scaleout_memory.py`` counts them). Boundaries then stay in
-the batch layout, stored plainly.
+``data`` and ``fsdp``. The stack is `lm_stack` whose scanned blocks have the
+`eae_jax.parallel.Sharded` storage (each block's params gathered when it
+runs, its gradient reduce-scattered there, boundaries in the batch layout,
+gradient slots only on one device), or the `PipelinedLM` when ``stage > 1``.
 """
 
 from __future__ import annotations
@@ -24,14 +17,14 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from eae_jax.blocks.transformer import decoder_block
 from eae_jax.models.llama import lm_stack
-from eae_jax.parallel.fsdp import gather_block
 from eae_jax.parallel.lm import lm_logical_axes, lm_param_shardings, opt_state_shardings
 from eae_jax.parallel.mesh import format_mesh, make_mesh, mesh_size
 from eae_jax.parallel.pipeline import bubble_fraction
 from eae_jax.parallel.pipeline_lm import PipelinedLM, interleave_microbatches
 from eae_jax.parallel.rules import tree_specs
+from eae_jax.parallel.storage import Sharded, storage_for_mesh
+from eae_jax.reconstruct import storage_from_flags
 
 
 def mesh_for(cfg) -> jax.sharding.Mesh:
@@ -65,7 +58,6 @@ class RunSharding:
         self.stages = self.sizes.get("stage", 1)
         self.microbatches = cfg.microbatches
         self.batch_axes = tuple(a for a in ("data", "fsdp") if self.sizes.get(a, 1) > 1)
-        self.slots = mesh.size == 1  # boundaries in gradient slots: see the module doc
         lm_logical_axes(model, mesh)  # heads that do not split over `model` fail here, before a build
         shards = mesh_size(mesh, *self.batch_axes)
         micro = cfg.batch // cfg.microbatches
@@ -131,13 +123,13 @@ class RunSharding:
     # ------------------------------------------------------------------ stack
     def stack(self, cfg, passes, block_fn=None, fp8: bool = False):
         """The run's stack over this mesh (``block_fn``: the fp8 block, or None)."""
-        common = dict(passes=passes, boundary_dtype=cfg.boundary_dtype, policy=cfg.policy, offload=cfg.offload)
         if self.pipelined:
-            return PipelinedLM(self.model, self.mesh, self.microbatches, block_fn=block_fn, **common)
+            return PipelinedLM(self.model, self.mesh, self.microbatches, block_fn=block_fn, passes=passes,
+                               boundary_dtype=cfg.boundary_dtype, policy=cfg.policy, offload=cfg.offload)
+        inner = storage_from_flags(cfg.policy, cfg.offload, cfg.boundary_dtype)
         specs = self.block_specs()
-        spec_tree = {"params": specs, "fp8": None} if fp8 else specs
         axes = self.batch_axes
-        x_spec = PartitionSpec((axes[0] if len(axes) == 1 else axes) or None)
-        block = gather_block(block_fn or decoder_block(self.model.block), spec_tree, self.mesh, gather=("fsdp",),
-                             x_spec=x_spec)
-        return lm_stack(self.model, block_fn=block, boundaries_in_grads=self.slots, **common)
+        blocks = Sharded(inner, self.mesh, {"params": specs, "fp8": None} if fp8 else specs, gather=("fsdp",),
+                         x_spec=PartitionSpec((axes[0] if len(axes) == 1 else axes) or None))
+        plain = storage_for_mesh(inner, self.mesh)
+        return lm_stack(self.model, block_fn=block_fn, passes=passes, storage=[plain, blocks, plain])

@@ -116,7 +116,9 @@ def pipeline_vs_stack(mesh: str) -> dict:
     """`PipelinedLM` on ``mesh`` against `lm_stack` run microbatch by microbatch (two of
     them, as the training step accumulates) on one device: loss, gradients and the
     per-boundary statistics, with passes acting at two boundaries only (int8 everywhere,
-    a clip at boundary 5 and a tighter one at 2), so that a wrong boundary index shows."""
+    a clip at boundary 5 and a tighter one at 2), so that a wrong boundary index shows,
+    and one that turns a zero adjoint into a nonzero one (a shift), so that anything
+    a pipeline's idle ticks compute and let into the gradients shows."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from eae_jax.blocks import BlockConfig
@@ -124,12 +126,13 @@ def pipeline_vs_stack(mesh: str) -> dict:
     from eae_jax.models.llama import cross_entropy
     from eae_jax.parallel import make_mesh
     from eae_jax.parallel.pipeline_lm import PipelinedLM, interleave_microbatches
-    from eae_jax.passes import at_layers, chain, clip_by_norm, int8_fake_quant
+    from eae_jax.passes import at_layers, chain, clip_by_norm, int8_fake_quant, stateless
 
     cfg = LMConfig(32, 8, BlockConfig(16, 2, 1, 24, max_seq_len=8))
     params = split_params(jax.jit(init_lm, static_argnums=1)(jax.random.key(0), cfg), cfg)
     tokens = jax.random.randint(jax.random.key(1), (4, 7), 0, 32)
-    chain_ = chain(int8_fake_quant(), at_layers(clip_by_norm(1e-4), [5]), at_layers(clip_by_norm(1e-6), [2]))
+    shift = stateless(lambda a, ctx: a + 1e-6, "shift")
+    chain_ = chain(shift, int8_fake_quant(), at_layers(clip_by_norm(1e-4), [5]), at_layers(clip_by_norm(1e-6), [2]))
     ref = lm_stack(cfg, passes=chain_)
 
     def ref_loss(p, c, tok):

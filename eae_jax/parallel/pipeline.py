@@ -80,7 +80,12 @@ def gpipe(stage_fn: Callable, params: Any, xs: jax.Array, mesh, per_tick: Any = 
       ``(M, ...)``: the last stage's outputs, in microbatch order.
 
     Idle ticks (a stage before its first or after its last microbatch)
-    skip the stage under a `jax.lax.cond` (their cotangent is exactly zero).
+    run the stage on zeros, cut off from everything else: their input is
+    zeros, their output reaches only other idle ticks, and their param
+    gradients are dropped (a pass that makes a nonzero adjoint out of a zero
+    one leaks nothing). In lockstep SPMD an idle stage waits as long as it
+    would compute; skipping it under a ``cond`` instead would make the
+    stage's params a per-tick residual of the backward (one copy per tick).
 
     >>> import jax.numpy as jnp
     >>> from eae_jax.parallel import make_mesh
@@ -103,7 +108,7 @@ def gpipe(stage_fn: Callable, params: Any, xs: jax.Array, mesh, per_tick: Any = 
             x_in = jnp.where(s == 0, xs[jnp.clip(t, 0, m - 1)], h)
             e_t = None if extra is None else jax.tree_util.tree_map(lambda a: a[t], extra)
             active = (mb >= 0) & (mb < m)
-            y = jax.lax.cond(active, lambda: stage_fn(p_local, x_in, e_t), lambda: jnp.zeros_like(x_in))
+            y = stage_fn(_gate_grads(p_local, active), jnp.where(active, x_in, jnp.zeros_like(x_in)), e_t)
             return jax.lax.ppermute(y, axis, perm) if stages > 1 else y, y
 
         _, ys = jax.lax.scan(tick, jnp.zeros_like(xs[0]), jnp.arange(count))
@@ -115,6 +120,23 @@ def gpipe(stage_fn: Callable, params: Any, xs: jax.Array, mesh, per_tick: Any = 
                                 out_specs=PartitionSpec(axis), axis_names={axis}, check_vma=False))
     ys = run(params, xs, per_tick)  # (S, ticks, ...): the last stage's rows S-1 .. are the outputs
     return ys[stages - 1, stages - 1:]
+
+
+@jax.custom_vjp
+def _gate_grads(tree, on):
+    """``tree``; its cotangent zeroed where ``on`` is false."""
+    return tree
+
+
+def _gate_fwd(tree, on):
+    return tree, on
+
+
+def _gate_bwd(on, g):
+    return jax.tree_util.tree_map(lambda x: jnp.where(on, x, jnp.zeros_like(x)), g), None
+
+
+_gate_grads.defvjp(_gate_fwd, _gate_bwd)
 
 
 def relocate_pass(pass_: AdjointTransformation, offset: Callable[[], jax.Array], num_boundaries: int,

@@ -99,6 +99,21 @@ def meshes(tmp: str) -> dict:
     out["checkpoint"] = {"whole": [r["loss"] for r in logs["whole"]], "moved": [r["loss"] for r in logs["part"]],
                          "resumed_from": moved["resumed_from"], "mesh": moved["mesh"],
                          "whole_final": whole["final_loss"], "moved_final": moved["final_loss"]}
+    out["fp8"] = fp8_runs(tmp)
+    return out
+
+
+def fp8_runs(tmp: str) -> dict:
+    """Two fp8 training steps (seams bound, delayed scales, the step guard) on one device and on
+    data=2 x fsdp=4: their summaries and logs."""
+    run = dict(preset="tiny", steps=2, batch=8, seq_len=8, warmup=0, log_every=1, checkpoint_every=100,
+               dtype="fp8_e4m3")
+    out = {}
+    for mesh in ("data=1", "data=2,fsdp=4"):
+        folder = os.path.join(tmp, "fp8_" + mesh.replace(",", "_").replace("=", ""))
+        summary = train(TrainConfig(out=folder, mesh=mesh, **run), log_fn=quiet)
+        out[mesh] = {"summary": summary,
+                     "losses": [json.loads(line)["loss"] for line in open(os.path.join(folder, "log.jsonl"))]}
     return out
 
 

@@ -39,3 +39,11 @@ def test_every_mesh_trains_like_one_device_and_a_checkpoint_moves_between_meshes
     assert ck["resumed_from"].endswith("ckpt_00000002") and ck["mesh"] == "fsdp=4,model=2"
     assert len(ck["moved"]) == len(ck["whole"]) == 4  # steps 1-2 on data=8, 3-4 after the move
     np.testing.assert_allclose(ck["moved"], ck["whole"], rtol=1e-5)
+
+    # fp8 seams on a data x fsdp mesh: every seam call counted once (the ledgers and
+    # scales stay global), and the run trains like on one device
+    one, split = results["fp8"]["data=1"], results["fp8"]["data=2,fsdp=4"]
+    assert split["summary"]["fp8"]["calls"] == one["summary"]["fp8"]["calls"] == 2 * 4 * 3  # steps x depth x seams
+    for key in ("fp8_calls", "fallbacks", "grad_scaling", "weight_scaling", "detached"):
+        assert split["summary"]["fp8"][key] == one["summary"]["fp8"][key], key
+    np.testing.assert_allclose(split["losses"], one["losses"], rtol=1e-4)

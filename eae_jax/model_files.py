@@ -4,8 +4,9 @@
 
 * a training run (``eae-jax train --out DIR``): the run directory, its
   ``checkpoints`` folder (the newest checkpoint is taken) or one
-  ``ckpt_*.npz``. `read_run_checkpoint` is the one place that reads the
-  training checkpoint format (`eae_jax.train.checkpoint`);
+  ``ckpt_<step>`` (an older run's ``ckpt_*.npz`` too). `read_run_checkpoint`
+  is the one place that reads the training checkpoint format
+  (`eae_jax.train.checkpoint`);
 * anything `interop.load_checkpoint` imports: a llama2.c ``.bin`` (no torch
   needed), a llama2.c ``.pt``, a Hugging Face directory (these need the
   torch extra: `TorchRequired` says so before any work).
@@ -172,8 +173,8 @@ def load_model(path: str, tokenizer: Any = None) -> LoadedModel:
     """Load a language model and its tokenizer from any supported source.
 
     Args:
-      path: a training run (directory, ``checkpoints`` folder or
-        ``ckpt_*.npz``), a llama2.c ``.bin`` / ``.pt``, or a Hugging Face
+      path: a training run (directory, ``checkpoints`` folder or one
+        ``ckpt_<step>``), a llama2.c ``.bin`` / ``.pt``, or a Hugging Face
         directory.
       tokenizer: a tokenizer spec (`eae_jax.text.load_tokenizer`); None:
         the one saved beside the model, if any; ``"none"``: ids only.

@@ -50,7 +50,7 @@ def constrain(tree: Any, specs: Any, mesh) -> Any:
 
 
 def gather_block(block_fn: Callable, param_specs: Any, mesh, gather: Sequence[str] = ("fsdp",),
-                 x_spec: Optional[PartitionSpec] = None) -> Callable:
+                 x_spec: Optional[PartitionSpec] = None, stateful: bool = False) -> Callable:
     """``block_fn(params, x, *rest)`` with its params gathered over ``gather`` axes inside the call.
 
     Args:
@@ -62,6 +62,8 @@ def gather_block(block_fn: Callable, param_specs: Any, mesh, gather: Sequence[st
         not listed (``model``) stay split: that is tensor parallelism.
       x_spec: optional layout of the block's input and output (the batch
         split), so activations between blocks keep it.
+      stateful: ``block_fn`` returns ``(y, new_state)`` (a stack built with
+        ``block_state=True``): ``x_spec`` lays out ``y`` only.
 
     Returns:
       A block function of the same signature: params gathered before the
@@ -93,10 +95,11 @@ def gather_block(block_fn: Callable, param_specs: Any, mesh, gather: Sequence[st
         params = constrain(sharded_grads(params), gathered, mesh)
         if x_spec is not None:
             x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, x_spec))
-        y = block_fn(params, x, *rest)
+        out = block_fn(params, x, *rest)
+        y, state = out if stateful else (out, None)
         if x_spec is not None:
             y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, x_spec))
-        return y
+        return (y, state) if stateful else y
 
     block.__name__ = getattr(block_fn, "__name__", "block")
     return block

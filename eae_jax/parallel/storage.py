@@ -74,7 +74,8 @@ class Sharded(Storage):
     kind = "sharded"
 
     def bind(self, layout: SegmentLayout) -> Storage:
-        fn = gather_block(layout.segment.fn, self.param_specs, self.mesh, self.gather, self.x_spec)
+        fn = gather_block(layout.segment.fn, self.param_specs, self.mesh, self.gather, self.x_spec,
+                          stateful=layout.segment.stateful)
         wrapped = layout._replace(segment=layout.segment._replace(fn=fn))
         return _Bound(storage_for_mesh(self.inner, self.mesh).bind(wrapped), wrapped)
 
@@ -90,14 +91,17 @@ class _Bound(Storage):
     def kind(self) -> str:
         return self.inner.kind
 
-    def save(self, layout, params, x, side):
+    # Every call runs against the gathering layout; outputs are the inner storage's, stateful ones
+    # included (``(y, new_state)`` per block, `SegmentLayout.split` / `join`).
+    def save(self, layout: SegmentLayout, params: Any, x: Any, side: Any) -> Tuple[Any, Any]:
         return self.inner.save(self.layout, params, x, side)
 
-    def restore(self, layout, params, residual, g, side):
+    def restore(self, layout: SegmentLayout, params: Any, residual: Any, g: Any, side: Any) -> Tuple[Any, Any]:
         return self.inner.restore(self.layout, params, residual, g, side)
 
-    def forward(self, layout, params, x, side):
+    def forward(self, layout: SegmentLayout, params: Any, x: Any, side: Any) -> Tuple[Any, Any]:
         return self.inner.forward(self.layout, params, x, side)
 
-    def backward(self, layout, params, residuals, g, states, at, side):
+    def backward(self, layout: SegmentLayout, params: Any, residuals: Any, g: Any, states: Any, at: Any,
+                 side: Any) -> Tuple[Any, Any]:
         return self.inner.backward(self.layout, params, residuals, g, states, at, side)

@@ -12,9 +12,9 @@ collectives.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
-import time
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -28,13 +28,16 @@ from eae_jax.parallel.distributed import process_local_batch
 from eae_jax.parallel.mesh import format_mesh
 from eae_jax.parallel.pipeline import bubble_fraction
 from eae_jax.train.checkpoint import CheckpointStore
-from eae_jax.train.config import PRESETS, TrainConfig, parse_passes
+from eae_jax.train.config import TrainConfig, parse_passes
 from eae_jax.buffers import unalias
+from eae_jax.text import save_tokenizer
 from eae_jax.train.data import TokenFile, make_batches
 from eae_jax.train.lock import RunLock
+from eae_jax.train.monitor import RunMonitor
 from eae_jax.train.resume import kept, nonfinite_leaves, resume_point
 from eae_jax.train.rundir import JsonlLog, naming_writes, prepare_out
 from eae_jax.train.sharding import RunSharding, mesh_for
+from eae_jax.train.sources import prepare_run
 
 
 class TrainState(NamedTuple):
@@ -71,8 +74,7 @@ def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array, source: Opti
 
     tokens = make_batches(key, source, cfg.batch // cfg.microbatches, cfg.seq_len, model.vocab_size)[:, :-1]
     x0 = embed(params["embed"], tokens, model.block.compute_dtype)
-    seams = fp8.policy_seams(cfg.policy_obj, config=fp8.SeamConfig(act_scaling=cfg.fp8_scaling,
-                                                                           weight_scaling=cfg.fp8_weight_scaling))
+    seams = fp8.policy_seams(cfg.policy_obj, activation=cfg.fp8_scaling, weight=cfg.fp8_weight_scaling)
     return fp8.bind_block(model.block, params["blocks"], [x0], seams, fallback=cfg.fp8_fallback)
 
 
@@ -113,12 +115,13 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None, param_sh
     # Delayed weight scales: the weights are cast to fp8 once for a
     # microbatch's forward and recomputation (same results bit for bit as
     # quantizing them in every block call, half the weight passes).
-    cast = bound_fp8 is not None and any(sm.config.weight_scaling == "delayed" for sm in bound_fp8.seams.values())
+    cast = bound_fp8 is not None and any(sm.recipe.weight == "delayed" for sm in bound_fp8.seams.values())
 
     def loss_fn(params, fp8_state, carry, tokens):
         logits = stack(segment_params(params, fp8_state if bound_fp8 is not None else None, model),
                        tokens[:, :-1], carry)
-        return cross_entropy(logits, tokens[:, 1:])
+        with jax.named_scope("loss"):  # a stage of --profile, as the stack's forward.* / backward.* scopes
+            return cross_entropy(logits, tokens[:, 1:])
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
 
@@ -153,8 +156,9 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None, param_sh
         grads = jax.tree_util.tree_map(lambda g, p: (g.astype(jnp.float32) / n).astype(p.dtype), grads, state.params)
         def apply_update(ops):
             grads_, opt_state_, params_ = ops
-            updates, opt_state_ = tx.update(grads_, opt_state_, params_)
-            return optax.apply_updates(params_, updates), opt_state_
+            with jax.named_scope("optimizer"):
+                updates, opt_state_ = tx.update(grads_, opt_state_, params_)
+                return optax.apply_updates(params_, updates), opt_state_
 
         rejected = jnp.zeros((), jnp.bool_)
         if step_fallback:
@@ -187,11 +191,12 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None, param_sh
 
 
 def _add_observations(acc, g_fp8):
-    """Combine microbatches' fp8 observations per seam (`eae_jax.fp8.combine_observations`:
-    counts add up, every amax takes the maximum)."""
-    from eae_jax.fp8 import combine_observations
+    """Combine microbatches' fp8 observations per seam (`eae_jax.observe.combine` of
+    each handle: counts add up, every amax takes the maximum)."""
+    from eae_jax.observe import combine
 
-    return {n: combine_observations(a, g_fp8[n]) for n, a in acc.items()}
+    return {n: a._replace(observed=type(a.observed)(*map(combine, a.observed, g_fp8[n].observed)))
+            for n, a in acc.items()}
 
 
 def _keys(cfg: TrainConfig):
@@ -209,11 +214,12 @@ def init_state(cfg: TrainConfig, model, stack, tx, bound_fp8=None, params=None) 
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), carry, k_data, fp8_state)
 
 
-def build(cfg: TrainConfig, source: Optional[TokenFile] = None, sharding: Optional[RunSharding] = None,
-          materialize: bool = True):
+def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional[dict] = None,
+          sharding: Optional[RunSharding] = None, materialize: bool = True):
     """Model, stack, optimizer, bound fp8 seams (or None) and the initial state of a run.
 
     ``source``: the run's token file (None: the synthetic task), for the fp8 calibration batch.
+    ``params``: the initial params (``--init``); None draws them from ``cfg.seed``.
     ``sharding``: the run's layout; the state is then made by one jitted
     call straight into its shardings (no device ever holds it whole).
     ``materialize=False`` returns ``make() -> state`` in the state's place
@@ -221,9 +227,9 @@ def build(cfg: TrainConfig, source: Optional[TokenFile] = None, sharding: Option
     """
     model = cfg.model()
     tx = make_optimizer(cfg)
-    params, bound = None, None
+    bound = None
     if cfg.fp8:
-        params = init_lm(_keys(cfg)[0], model)
+        params = init_lm(_keys(cfg)[0], model) if params is None else params
         bound = bind_fp8(cfg, model, params, jax.random.fold_in(_keys(cfg)[2], 2**31 - 1), source)
     stack = make_stack(cfg, model, bound, sharding)
 
@@ -273,6 +279,16 @@ def _say_schedule_change(cfg: TrainConfig, meta: dict, step: int, log_fn) -> Non
 
 
 
+class _ReadOnlyLog(JsonlLog):
+    """The run's log as a process other than the first sees it: read, never written."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+
 def _silent(*args, **kwargs):
     """The log function of every process but the first (logs are written once)."""
 
@@ -287,8 +303,8 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     ``coordinator`` / ``num_processes`` / ``process_id`` (or the
     ``JAX_COORDINATOR_ADDRESS`` ... variables) every process of a multi-host
     run calls this; each loads only its rows of every batch, the first one
-    writes the log and holds the lock, all of them write their shards of
-    every checkpoint.
+    writes the log, the tokenizer, TensorBoard files and the plot and holds
+    the lock, all of them write their shards of every checkpoint.
 
     Writes ``<out>/log.jsonl`` (one record per logged step) and checkpoints
     under ``<out>/checkpoints`` (Orbax, `eae_jax.train.checkpoint`: sharded,
@@ -334,10 +350,11 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
 
 
 def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optional[int], primary: bool) -> dict:
-    source = TokenFile(cfg.data, PRESETS[cfg.preset]["vocab_size"], cfg.seq_len) if cfg.data else None
+    run = prepare_run(cfg, log_fn)  # text, token file or synthetic; --init: they fix the vocabulary and shape
+    cfg, source = run.config, run.train
     sharding = RunSharding(cfg, cfg.model(), mesh_for(cfg))
     log_fn(sharding.describe())
-    model, stack, tx, bound_fp8, make_state = build(cfg, source, sharding, materialize=False)
+    model, stack, tx, bound_fp8, make_state = build(cfg, source, run.init_params, sharding, materialize=False)
     template = jax.eval_shape(make_state)
     state_sh = sharding.state_shardings(template, tx, stack)
     resumed_from, state, meta = resume_point(cfg, store, template, state_sh, log_fn)
@@ -362,7 +379,7 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
     delayed_fn = None
     grad_scaling = "current"  # what the run's steps use now (the summary reports it)
     if bound_fp8 is not None and cfg.fp8_grad_scaling == "delayed":
-        delayed = bound_fp8.with_grad_scaling("delayed")
+        delayed = bound_fp8.with_recipe(gradient="delayed")
         delayed_fn = jit_step(make_train_step(cfg, make_stack(cfg, model, delayed, sharding), tx, model, delayed,
                                               param_shardings=state_sh.params))
         if _grad_scales_observed(bound_fp8, state.fp8):
@@ -377,15 +394,16 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
         rerun_fn = jit_step(make_train_step(cfg, make_stack(cfg, model, None, sharding), tx, model, None,
                                             param_shardings=state_sh.params))
 
-    log = JsonlLog(os.path.join(cfg.out, "log.jsonl"))
+    log = JsonlLog(os.path.join(cfg.out, "log.jsonl")) if primary else _ReadOnlyLog(os.path.join(cfg.out, "log.jsonl"))
     first_loss = last_loss = None
-    t_last, tokens_per_step = time.perf_counter(), cfg.batch * cfg.seq_len
-    start_step = last_logged = int(state.step)
+    start_step = int(state.step)
     # Records of steps past the checkpoint (a run killed between checkpoints)
     # are redone by this run: drop them so every step is logged once.
-    if primary:
-        with naming_writes(start_step, log.path):
-            log.truncate_after(start_step)
+    with naming_writes(start_step, log.path):
+        log.truncate_after(start_step)
+    if run.tokenizer is not None and primary:  # beside the checkpoints, where eae-jax generate looks
+        with naming_writes(start_step, cfg.out):
+            save_tokenizer(run.tokenizer, cfg.out)
     last_step = cfg.steps if until is None else min(until, cfg.steps)
     # Which row of the step's batch sits where in the token block the step takes.
     rows_at = np.asarray(sharding.arrange_tokens(np.arange(cfg.batch)[:, None]))[..., 0]
@@ -393,13 +411,23 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
     data_root = jax.random.wrap_key_data(np.asarray(jax.device_get(jax.random.key_data(state.key))),
                                          impl=jax.random.key_impl(state.key))
     pending = None  # (step, path) of the checkpoint being written in the background
+    # Other processes write no TensorBoard files, plot or trace: the first one does.
+    monitor_cfg = cfg if primary else dataclasses.replace(cfg, tensorboard=False, plot=False, profile=None,
+                                                                 quiet=True)
+    monitor = RunMonitor(monitor_cfg, model, run.val, log, start_step, last_step, log_fn,
+                         devices=sharding.mesh.size)
+    log_fn = monitor.write  # above the progress bar
+    log_fn(f"training on {run.source}")
     step = start_step
     try:
+        monitor.start(state)
         for step in range(start_step, last_step):
-            data_key = jax.random.fold_in(data_root, step)
-            tokens = process_local_batch(block_shape, data_sharding, rows_at, lambda rows: np.asarray(
-                make_batches(data_key, source, cfg.batch, cfg.seq_len, model.vocab_size, rows=rows)))
-            state, metrics = step_fn(state, tokens)
+            monitor.begin_step(step + 1)
+            with monitor.host("batch"):
+                data_key = jax.random.fold_in(data_root, step)
+                tokens = process_local_batch(block_shape, data_sharding, rows_at, lambda rows: np.asarray(
+                    make_batches(data_key, source, cfg.batch, cfg.seq_len, model.vocab_size, rows=rows)))
+            state, metrics = monitor.run_step(step_fn, state, tokens)
             done = step + 1
             if rerun_fn is not None and bool(metrics["fp8_step_rejected"]):
                 state, metrics = rerun_fn(state, tokens)
@@ -414,22 +442,17 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
                     delayed_fn = None
                     log_fn(f"fp8: gradient scales still unobserved after {DELAYED_SWITCH_STEPS} steps (seams falling "
                            "back); staying with current gradient scaling")
-            if done % cfg.log_every == 0 or done == last_step or done == start_step + 1:
+            if done % cfg.log_every == 0 or done == last_step or done == start_step + 1 or monitor.wants_log(done):
                 metrics = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist())
                            for k, v in jax.device_get(metrics).items()}
                 if not np.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"loss became {metrics['loss']} at step {done}; {kept(store)}")
-                now = time.perf_counter()
-                steps_since, last_logged = done - last_logged, done
-                metrics.update(step=done, seconds=now - t_last, tokens_per_s=tokens_per_step * steps_since / (now - t_last))
-                t_last = now
+                metrics.update(step=done, **monitor.measure(done, state))
                 first_loss = metrics["loss"] if first_loss is None else first_loss
                 last_loss = metrics["loss"]
-                if primary:
-                    with naming_writes(done, log.path):
-                        log.write(metrics)
-                log_fn(f"step {done:>6}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
-                       f"adjoint|xL| {metrics['adjoint_norm'][-1]:.3e}  {metrics['tokens_per_s']:.0f} tok/s")
+                with naming_writes(done, log.path):
+                    log.write(metrics)
+                monitor.report(metrics)
             if done % cfg.checkpoint_every == 0 or done == last_step:
                 # Never let a checkpoint of diverged params replace (keep=) the good ones.
                 loss = float(np.asarray(metrics["loss"]))
@@ -441,12 +464,13 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
                     raise FloatingPointError(f"non-finite {' and '.join(what)} at step {done}; not checkpointed; "
                                              f"{kept(store)}")
                 if pending is not None:  # the previous one has had checkpoint_every steps to finish
-                    with naming_writes(*pending):
+                    with naming_writes(*pending), monitor.host("checkpoint"):
                         store.wait()
                 pending = (done, store.path(done))
-                with naming_writes(*pending):
+                with naming_writes(*pending), monitor.host("checkpoint"):
                     store.save(done, state, metadata={"config": cfg.to_dict()})
                 log_fn(f"checkpoint {pending[1]}")
+            monitor.end_step(done, state)
         if pending is not None:
             with naming_writes(*pending):
                 store.wait()
@@ -457,6 +481,8 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
             raise
         raise FloatingPointError(f"step {step + 1}: {lines[0].split('nonfinite_guard:', 1)[1].strip()} "
                                  f"(nonfinite_guard); {kept(store)}") from None
+    finally:
+        monitor.close()
     if last_loss is None:
         # Nothing ran (resuming a finished run): report the run's logged losses.
         logged = [r for r in log.records() if isinstance(r.get("step"), int) and isinstance(r.get("loss"), float)
@@ -464,10 +490,12 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
         if logged:
             first_loss, last_loss = logged[0]["loss"], logged[-1]["loss"]
     summary = {"first_loss": first_loss, "final_loss": last_loss, "steps": last_step, "resumed_from": resumed_from,
-               "steps_run": max(last_step - start_step, 0), "out": cfg.out, "mesh": format_mesh(sharding.sizes)}
+               "steps_run": max(last_step - start_step, 0), "out": cfg.out, "trained_on": run.source,
+               "mesh": format_mesh(sharding.sizes)}
     if sharding.pipelined:
         summary["pipeline"] = {"stages": sharding.stages, "microbatches": sharding.microbatches,
                                "bubble_fraction": bubble_fraction(sharding.stages, sharding.microbatches)}
+    summary.update(monitor.finish(summary["steps_run"]))
     if bound_fp8 is not None:
         report = bound_fp8.report(jax.device_get(state.fp8))
         summary["fp8"] = {"calls": sum(r["calls"] for r in report), "fp8_calls": sum(r["fp8_calls"] for r in report),
@@ -475,7 +503,7 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
                           "grad_clipped": sum(sum(r.get("grad_clipped", [])) for r in report),
                           "weight_clipped": sum(sum(r.get("weight_clipped", [])) for r in report),
                           "grad_scaling": grad_scaling,
-                          "weight_scaling": sorted({sm.config.weight_scaling for sm in bound_fp8.seams.values()}),
+                          "weight_scaling": sorted({sm.recipe.weight for sm in bound_fp8.seams.values()}),
                           "detached": [r["seam"] for r in report if r["detached"]],
                           "gate_worst_cos": min(c["worst_cos"] for c in bound_fp8.certification.values())}
     return summary

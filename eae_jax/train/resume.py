@@ -16,7 +16,8 @@ from eae_jax.train.errors import CheckpointError
 #: (extending a run), and how (not what) it computes: where it runs included
 #: (a checkpoint restores onto any mesh).
 RESUME_MAY_CHANGE = ("steps", "out", "checkpoint_every", "keep", "resume", "log_every", "devices", "mesh",
-                     "coordinator", "num_processes", "process_id", "policy", "offload")
+                     "coordinator", "num_processes", "process_id", "policy", "offload", "val_every", "val_batches",
+                     "quiet", "tensorboard", "plot", "peak_tflops", "profile")
 
 
 def check_resumable(cfg, path: str, meta: dict) -> None:

@@ -75,20 +75,16 @@ def _errors(run: dict, ref: dict) -> dict:
                                                            jax.tree_util.tree_leaves(ref["params"])))}
 
 
-#: Meshes that split the model's matmuls (their fp32 sums run in another order).
-TENSOR_PARALLEL = tuple(m for m in MESHES if "model=" in m)
-
 
 def meshes(tmp: str) -> dict:
-    """Every mesh against one device with the int8 + clip chain, the tensor-parallel
-    ones without passes too; then a checkpoint written on data=8 resumed on
-    fsdp=4 x model=2."""
+    """Every mesh against one device, with `reconstruct` alone and with the int8 + clip
+    chain; then a checkpoint written on data=8 resumed on fsdp=4 x model=2."""
     jax.config.update("jax_disable_most_optimizations", True)  # compile time; numerics are compared like for like
     out = {"devices": jax.device_count()}
-    for passes, which in (("int8,clip=0.01", MESHES), ("", TENSOR_PARALLEL)):
+    for passes in ("int8,clip=0.01", ""):
         ref = three_steps("data=1", passes)
         out[passes or "none"] = {"data=1": _errors(ref, ref), **{m: _errors(three_steps(m, passes), ref)
-                                                                    for m in which}}
+                                                                    for m in MESHES}}
     run = dict(preset="tiny", steps=4, batch=16, seq_len=8, warmup=0, log_every=1, checkpoint_every=2)
     whole = train(TrainConfig(out=os.path.join(tmp, "whole"), devices=8, **run), log_fn=quiet)
     part = os.path.join(tmp, "part")

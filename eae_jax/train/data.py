@@ -176,7 +176,7 @@ def make_batches(key: jax.Array, source: Optional[TokenWindows], steps_batch: in
       >>> make_batches(jax.random.key(0), None, 4, 8, 256).shape
       (4, 9)
       >>> whole = make_batches(jax.random.key(0), None, 4, 8, 256)
-      >>> bool((make_batches(jax.random.key(0), None, 4, 8, 256, rows=np.array([3, 1])) == whole[[3, 1]]).all())
+      >>> bool((make_batches(jax.random.key(0), None, 4, 8, 256, rows=np.array([3, 1])) == whole[np.array([3, 1])]).all())
       True
     """
     if source is None:

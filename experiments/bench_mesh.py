@@ -1,6 +1,7 @@
 """The training step on one device, with and without the sharded code path.
 
     python experiments/bench_mesh.py --out DIR [--preset medium] [--dtype bf16] [--rounds 6] [--steps 10]
+                                     [--deadline-s S]
 
 One process builds two variants of the same ``eae-jax train`` step (AdamW,
 the preset's batch, boundary-only reconstruction) on the first device:
@@ -16,7 +17,8 @@ the preset's batch, boundary-only reconstruction) on the first device:
 Both compile and take 2 warm-up steps, then ``--rounds`` rounds time
 ``--steps`` steps of each variant in turn (the order alternates from round
 to round, so a drifting clock slows both alike), on the same token block; a
-step is timed to its results being ready. Statistic: the median over rounds
+step is timed to its results being ready; no round starts past
+``--deadline-s`` (two always run). Statistic: the median over rounds
 of each round's median step time; the ratio sharded / plain comes with a
 95% interval from `bench_stats.ratio` (rounds as the resampling units, steps
 within them), ``win``/``loss`` when the interval excludes 1. Prints a table
@@ -90,19 +92,22 @@ def measure(args) -> dict:
     import numpy as np
 
     steps, states, placed, compile_s = prepare(args)
-    times = {v: [[] for _ in range(args.rounds)] for v in VARIANTS}
+    times = {v: [] for v in VARIANTS}
     losses = {v: [] for v in VARIANTS}
     for v in VARIANTS:  # warm up
         for _ in range(2):
             states[v], metrics = steps[v](states[v], placed[v])
             losses[v].append(float(metrics["loss"]))
     for r in range(args.rounds):
+        if r >= 2 and args.deadline_s is not None and time.perf_counter() - args.t_start > args.deadline_s:
+            break  # past the deadline: stop with the rounds done (two at least, for an interval)
         for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            times[v].append([])
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 states[v], metrics = steps[v](states[v], placed[v])
                 jax.block_until_ready((states[v], metrics))
-                times[v][r].append(time.perf_counter() - t0)
+                times[v][-1].append(time.perf_counter() - t0)
             losses[v].append(float(metrics["loss"]))
     peak = None
     stats = jax.devices()[0].memory_stats()
@@ -125,18 +130,21 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="override the preset's (smoke runs)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no round past this many seconds from the start (two rounds always run)")
     args = parser.parse_args(argv)
     if args.rounds < 2 or args.steps < 1:
         parser.error("--rounds must be at least 2 (an interval needs two) and --steps at least 1")
     own = list(argv if argv is not None else sys.argv[1:])
-    t_start = time.perf_counter()
+    args.t_start = t_start = time.perf_counter()
     run = measure(args)
+    rounds = len(run["times"]["plain"])
     from bench_stats import ratio, seed_for, summarize, verdict
 
     summary = {v: summarize(run["times"][v], seed_for(v)) for v in VARIANTS}
     rel = ratio(run["times"]["sharded"], run["times"]["plain"], seed_for("sharded"), seed_for("plain"))
     print(f"\n{run['device']}, jax {run['jax']}, preset {args.preset}, dtype {args.dtype}, "
-          f"{args.rounds} rounds x {args.steps} steps")
+          f"{rounds} rounds x {args.steps} steps")
     print(f"| variant | step ms | 95% CI | compile s | loss after warm-up |")
     print("|---|---|---|---|---|")
     for v in VARIANTS:
@@ -146,7 +154,8 @@ def main(argv=None) -> int:
     print(f"sharded / plain = {rel['value']:.4f}  95% CI [{rel['ci'][0]:.4f}, {rel['ci'][1]:.4f}]  "
           f"({verdict(rel['ci'], higher_is_win=False)}; acceptance: <= 1.01)")
     result = {"command": " ".join(["python", "experiments/bench_mesh.py", *own]), "device": run["device"],
-              "jax": run["jax"], "date": time.strftime("%Y-%m-%d"), "args": vars(args), "summary": summary,
+              "jax": run["jax"], "date": time.strftime("%Y-%m-%d"),
+              "args": {k: v for k, v in vars(args).items() if k != "t_start"}, "rounds_run": rounds, "summary": summary,
               "ratio_sharded_over_plain": rel, "wall_s": time.perf_counter() - t_start, **run}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_mesh.json")

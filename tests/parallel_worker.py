@@ -270,16 +270,18 @@ def fsdp(tmp: str) -> dict:
     return out
 
 
-#: The run the multi-host test repeats on one process and on two.
+#: The run the multi-host test repeats on one process and on two: on the text folder
+#: ``text`` beside the run directory (the test writes it), validated every 2 steps.
 MULTIHOST_RUN = dict(preset="tiny", steps=3, batch=16, seq_len=8, warmup=0, log_every=1, checkpoint_every=3,
-                     mesh="data=2,fsdp=4")
+                     mesh="data=2,fsdp=4", val_every=2, val_batches=2, tensorboard=False)
 
 
 def train_run(tmp: str) -> dict:
     """`MULTIHOST_RUN` into ``tmp`` (on every process of a multi-host run, from the JAX_*
     variables), its summary and log, and what this process saw."""
     jax.config.update("jax_disable_most_optimizations", True)
-    summary = train(TrainConfig(out=tmp, **MULTIHOST_RUN), log_fn=quiet)
+    text = os.path.join(os.path.dirname(os.path.abspath(tmp)), "text")
+    summary = train(TrainConfig(out=tmp, text=[text], **MULTIHOST_RUN), log_fn=quiet)
     log = os.path.join(tmp, "log.jsonl")
     return {"summary": summary, "process": jax.process_index(), "processes": jax.process_count(),
             "devices": jax.device_count(), "local_devices": jax.local_device_count(),

@@ -1,5 +1,6 @@
-"""Two processes on this machine (CPU, gloo collectives) train like one: the same losses,
-the log written once, every process writing its shards of the checkpoint."""
+"""Two processes on this machine (CPU, gloo collectives) train like one on a text folder:
+the same losses and validation losses, the log and tokenizer written once, every process
+writing its shards of the checkpoint."""
 
 import json
 import os
@@ -32,6 +33,10 @@ def _result(proc):
 
 
 def test_two_processes_train_three_steps_like_one(tmp_path):
+    text = tmp_path / "text"  # every process reads the same text and splits off the same validation documents
+    text.mkdir()
+    for i in range(12):
+        (text / f"note{i}.txt").write_text(f"note {i}: the quick brown fox jumps over the lazy dog {i * i}\n" * 8)
     port = _free_port()
     pair = [_start(tmp_path / "two", 4, {"JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
                                          "JAX_PROCESS_ID": str(i)}) for i in range(2)]
@@ -43,12 +48,18 @@ def test_two_processes_train_three_steps_like_one(tmp_path):
             p.kill()
     assert (first["process"], second["process"], first["processes"], ref["processes"]) == (0, 1, 2, 1)
     assert first["devices"] == ref["devices"] == 8 and first["local_devices"] == 4
-    losses = [r["loss"] for r in ref["log"]]
-    assert len(losses) == 3
+    losses = [r["loss"] for r in ref["log"] if "loss" in r]
+    val_losses = [r["val_loss"] for r in ref["log"] if "val_loss" in r]
+    assert len(losses) == 3 and len(val_losses) == 3
     # one log, each step once (the first process writes it), both processes' losses the same
-    assert [r["step"] for r in first["log"]] == [1, 2, 3]
-    np.testing.assert_allclose([r["loss"] for r in first["log"]], losses, rtol=1e-5)
+    assert [r["step"] for r in first["log"]] == [0, 1, 2, 3]
+    assert [r["step"] for r in first["log"] if "val_loss" in r] == [0, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in first["log"] if "loss" in r], losses, rtol=1e-5)
+    np.testing.assert_allclose([r["val_loss"] for r in first["log"] if "val_loss" in r], val_losses, rtol=1e-5)
     assert first["summary"]["final_loss"] == second["summary"]["final_loss"]
+    assert first["summary"]["trained_on"].startswith("text from") and first["summary"]["tokens"] == 3 * 16 * 8
+    # the tokenizer is written once, beside the checkpoints
+    assert [f for f in os.listdir(tmp_path / "two") if f.startswith("tokenizer")] == ["tokenizer_bytes.json"]
     # both processes wrote their shards of the one checkpoint
     state = tmp_path / "two" / "checkpoints" / "ckpt_00000003" / "state"
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(state))

@@ -175,8 +175,8 @@ def make_batches(key: jax.Array, source: Optional[TokenWindows], steps_batch: in
       >>> from eae_jax.train.data import make_batches
       >>> make_batches(jax.random.key(0), None, 4, 8, 256).shape
       (4, 9)
-      >>> whole = make_batches(jax.random.key(0), None, 4, 8, 256)
-      >>> bool((make_batches(jax.random.key(0), None, 4, 8, 256, rows=np.array([3, 1])) == whole[np.array([3, 1])]).all())
+      >>> whole, rows = make_batches(jax.random.key(0), None, 4, 8, 256), np.array([3, 1])
+      >>> bool((make_batches(jax.random.key(0), None, 4, 8, 256, rows=rows) == whole[rows]).all())
       True
     """
     if source is None:

@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(prog="eae-jax export", description=__doc__.split("\n\n")[0],
                                      epilog="Exit codes: 0 written, 1 failure while writing, 2 bad arguments or files.")
-    parser.add_argument("source", help="training run (directory or ckpt_*.npz), llama2.c .bin/.pt, or HF directory")
+    parser.add_argument("source", help="training run (directory or a ckpt_<step>), llama2.c .bin/.pt, or HF directory")
     parser.add_argument("out", help="output: a directory (hf), a .bin or a .pt file")
     parser.add_argument("--format", choices=FORMATS, help="default: from the output's suffix")
     parser.add_argument("--dtype", help="hf only: float32, bfloat16 or float16 (default: the params' dtype)")

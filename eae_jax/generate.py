@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(prog="eae-jax generate", description=__doc__.split("\n\n")[0],
                                      epilog="Exit codes: 0 done, 1 failure while generating, 2 bad arguments or files.")
-    parser.add_argument("model", help="training run (directory or ckpt_*.npz), llama2.c .bin/.pt, or HF directory")
+    parser.add_argument("model", help="training run (directory or a ckpt_<step>), llama2.c .bin/.pt, or HF directory")
     parser.add_argument("--prompt", help="prompt text (needs a tokenizer)")
     parser.add_argument("--ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     parser.add_argument("--tokenizer", help="'bytes', a tokenizer.json, a llama2.c tokenizer.bin, a directory holding "

@@ -4,8 +4,9 @@
 
 * a training run (``eae-jax train --out DIR``): the run directory, its
   ``checkpoints`` folder (the newest checkpoint is taken) or one
-  ``ckpt_*.npz``. `read_run_checkpoint` is the one place that reads the
-  training checkpoint format (`eae_jax.train.checkpoint`);
+  ``ckpt_<step>`` (an older run's ``ckpt_*.npz`` too). `read_run_checkpoint`
+  is the one place that reads the training checkpoint format
+  (`eae_jax.train.checkpoint`);
 * anything `interop.load_checkpoint` imports: a llama2.c ``.bin`` (no torch
   needed), a llama2.c ``.pt``, a Hugging Face directory (these need the
   torch extra: `TorchRequired` says so before any work).
@@ -62,7 +63,8 @@ class LoadedModel(NamedTuple):
 
 def find_run_checkpoint(path: str) -> Optional[str]:
     """The newest training checkpoint ``path`` designates (a run directory, its
-    ``checkpoints`` folder, or a ``ckpt_*.npz``), or None when it is none of these.
+    ``checkpoints`` folder, one checkpoint ``ckpt_<step>`` or an older run's
+    ``ckpt_*.npz``), or None when it is none of these.
 
     Example:
       >>> import tempfile
@@ -72,8 +74,8 @@ def find_run_checkpoint(path: str) -> Optional[str]:
     """
     from eae_jax.train import checkpoint as ckpt
 
-    if os.path.isfile(path):
-        return path if os.path.basename(path).startswith("ckpt_") and path.endswith(".npz") else None
+    if ckpt.is_checkpoint(path) and os.path.exists(path):
+        return path
     if not os.path.isdir(path):
         return None
     for directory in (os.path.join(path, "checkpoints"), path):
@@ -116,27 +118,31 @@ def read_run_checkpoint(path: str) -> tuple:
 
     Example (a step-0 checkpoint, saved as the training loop saves them):
       >>> import tempfile
-      >>> from eae_jax.train import TrainConfig, checkpoint
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.checkpoint import CheckpointStore
       >>> from eae_jax.train.loop import build
       >>> from eae_jax.model_files import find_run_checkpoint, read_run_checkpoint
       >>> cfg = TrainConfig(preset="tiny", steps=1, batch=2, seq_len=8, out=tempfile.mkdtemp())
       >>> state = build(cfg)[4]
-      >>> _ = checkpoint.save(cfg.out + "/checkpoints", 0, state, metadata={"config": cfg.to_dict()})
+      >>> store = CheckpointStore(cfg.out + "/checkpoints")
+      >>> _ = store.save(0, state, metadata={"config": cfg.to_dict()})
+      >>> store.close()
       >>> params, model, meta = read_run_checkpoint(find_run_checkpoint(cfg.out))
       >>> params["embed"].shape, model.depth, meta["step"]
       ((256, 64), 4, 0)
     """
     from eae_jax.train import checkpoint as ckpt
     from eae_jax.train.config import TrainConfig
+    from eae_jax.train.errors import CheckpointError
 
     meta = ckpt.read_metadata(path)
     stored = meta.get("config")
     if not isinstance(stored, dict):
-        raise ckpt.CheckpointError(f"{path}: no training config in its metadata; not a checkpoint of eae-jax train")
+        raise CheckpointError(f"{path}: no training config in its metadata; not a checkpoint of eae-jax train")
     try:
         train_cfg = TrainConfig(**stored)
     except (TypeError, ValueError) as err:
-        raise ckpt.CheckpointError(f"{path}: its training config cannot be rebuilt by this version: {err}") from err
+        raise CheckpointError(f"{path}: its training config cannot be rebuilt by this version: {err}") from err
     state, meta = ckpt.restore(path, _state_template(train_cfg))
     return state.params, train_cfg.model(), dict(meta, train_config=stored)
 
@@ -167,8 +173,8 @@ def load_model(path: str, tokenizer: Any = None) -> LoadedModel:
     """Load a language model and its tokenizer from any supported source.
 
     Args:
-      path: a training run (directory, ``checkpoints`` folder or
-        ``ckpt_*.npz``), a llama2.c ``.bin`` / ``.pt``, or a Hugging Face
+      path: a training run (directory, ``checkpoints`` folder or one
+        ``ckpt_<step>``), a llama2.c ``.bin`` / ``.pt``, or a Hugging Face
         directory.
       tokenizer: a tokenizer spec (`eae_jax.text.load_tokenizer`); None:
         the one saved beside the model, if any; ``"none"``: ids only.

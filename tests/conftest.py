@@ -131,3 +131,42 @@ def tiny_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny_run"))
     train(TrainConfig(preset="tiny", steps=2, batch=2, seq_len=16, out=out, log_every=1), log_fn=lambda m: None)
     return out
+
+
+def damage_checkpoint(path: str, how: str) -> dict:
+    """Damage the checkpoint directory ``path`` in place; returns ``{relative path: new bytes}``.
+
+    ``random``: every file replaced by random bytes; ``truncated``: every file
+    cut to half its length; ``data``: only the array data files (under the
+    ``state`` item's ``d/``) replaced by random bytes, the metadata intact.
+    """
+    rng = np.random.default_rng(0)
+    written = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, path)
+            if how == "data" and not rel.startswith(os.path.join("state", "d") + os.sep):
+                continue
+            data = open(full, "rb").read()
+            new = data[: len(data) // 2] if how == "truncated" else rng.bytes(max(len(data), 16))
+            open(full, "wb").write(new)
+            written[rel] = new
+    if not written:
+        raise ValueError(f"nothing to damage in {path} ({how})")
+    return written
+
+
+def run_worker(mode: str, tmp_path, devices: int = 8, timeout: float = 600, env: dict = None) -> dict:
+    """Run ``tests/parallel_worker.py MODE`` in a fresh process with ``devices`` CPU
+    devices (XLA_FLAGS must be set before jax is imported) and return the JSON it prints."""
+    import json
+    import subprocess
+
+    full_env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+                    PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "parallel_worker.py"), mode, str(tmp_path)],
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"parallel_worker {mode} failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,5 +1,6 @@
 """The stack benchmark (experiments/bench_stack.py): its arithmetic, its shared
-data files, its schedule, and end-to-end smoke campaigns on CPU at tiny sizes."""
+data files, its schedule, and end-to-end smoke campaigns on CPU at tiny sizes;
+smoke runs of the other GPU benchmarks (the offload probe, bench_mesh.py)."""
 
 import json
 import math
@@ -208,3 +209,22 @@ def test_offload_memory_probe_smoke(tmp_path):
     assert on_disk["runs"] == json.loads(json.dumps(res["runs"]))
     with pytest.raises(SystemExit):
         omp.main(["--smoke", "--variants", "nope", "--out", str(tmp_path)])
+
+
+def test_bench_mesh_times_both_paths_in_one_process(tmp_path, capsys):
+    """The one-device mesh benchmark: both variants, interleaved rounds, the same losses, its JSON,
+    and its deadline (two rounds however late)."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import bench_mesh
+
+    assert bench_mesh.main(["--preset", "tiny", "--dtype", "fp32", "--depth", "2", "--seq-len", "16", "--batch", "4",
+                            "--rounds", "3", "--deadline-s", "0", "--steps", "1", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "bench_mesh.json").read_text())
+    assert all(len(res["times"][v]) == 2 and all(len(r) == 1 for r in res["times"][v]) for v in bench_mesh.VARIANTS)
+    # the sharded path on the mesh data=1 computes what the plain step does
+    np.testing.assert_allclose(res["losses"]["sharded"], res["losses"]["plain"], rtol=1e-6)
+    assert len(res["losses"]["plain"]) == 2 + 2  # warm-up steps, then one per round
+    assert res["ratio_sharded_over_plain"]["value"] > 0 and "sharded / plain" in capsys.readouterr().out
+    assert res["rounds_run"] == 2  # past the deadline from the start: the two rounds an interval needs
+    with pytest.raises(SystemExit):
+        bench_mesh.main(["--rounds", "1", "--out", str(tmp_path)])

@@ -19,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_grads_close, rel_err
+from jax.sharding import PartitionSpec
 
 import eae_jax
 from eae_jax import passes as P
+from eae_jax.parallel import Sharded, make_mesh
 from eae_jax.reconstruct import (GradSlots, Host, HostUnrolled, OnDevice, Policy, Scan, Segment, SegmentLayout,
                                  Storage)
 from eae_jax.reconstruct.policy import split_vjp
@@ -390,7 +392,12 @@ def stateless_head(w, h):
     return h @ w, None
 
 
-@pytest.mark.parametrize("storage", list(STORAGES))
+#: The mesh storage around the default one, its boundaries laid out on the batch axis: a
+#: stateful block's new state passes through it untouched (only ``y`` takes ``x_spec``).
+SHARDED = Sharded(GradSlots(), make_mesh("data=1"), None, x_spec=PartitionSpec("data"))
+
+
+@pytest.mark.parametrize("storage", [*STORAGES, "sharded"])
 def test_block_state_comes_out_of_the_forward_and_the_backward_sees_the_old(storage):
     k = jax.random.split(jax.random.key(3), 4)
     x = jax.random.normal(k[0], (3, 8))
@@ -408,7 +415,7 @@ def test_block_state_comes_out_of_the_forward_and_the_backward_sees_the_old(stor
 
     (want_loss, want_states), want_grads = jax.jit(jax.value_and_grad(plain, has_aux=True, allow_int=True))(
         [p for _, p in flat], x)
-    stack = eae_jax.reconstruct(blocks, storage=STORAGES[storage], block_state=True)
+    stack = eae_jax.reconstruct(blocks, storage=STORAGES.get(storage, SHARDED), block_state=True)
 
     def loss(p, x):
         y, states = stack(p, x)

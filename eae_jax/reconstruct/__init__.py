@@ -81,12 +81,12 @@ from eae_jax.reconstruct.adjoint import AtBoundary
 from eae_jax.reconstruct.host import Host, HostUnrolled
 from eae_jax.reconstruct.policy import Policy, resolve_policy
 from eae_jax.reconstruct.slots import GradSlots
-from eae_jax.reconstruct.stack import OFFLOAD_SCHEDULES, Reconstructed, Scan, reconstruct
+from eae_jax.reconstruct.stack import OFFLOAD_SCHEDULES, Reconstructed, Scan, reconstruct, storage_from_flags
 from eae_jax.reconstruct.storage import (BoundaryStorage, OnDevice, Segment, SegmentLayout, Storage, cast_boundary,
                                          first_order_only)
 
 __all__ = [
     "AtBoundary", "BoundaryStorage", "GradSlots", "Host", "HostUnrolled", "OFFLOAD_SCHEDULES", "OnDevice", "Policy",
     "Reconstructed", "Scan", "Segment", "SegmentLayout", "Storage", "cast_boundary", "first_order_only",
-    "reconstruct", "resolve_policy",
+    "reconstruct", "resolve_policy", "storage_from_flags",
 ]

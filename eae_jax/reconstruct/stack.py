@@ -395,8 +395,19 @@ class Reconstructed:
         return run(plist, x, carry, side)
 
 
-def _storage_from_flags(policy, offload, boundary_dtype, boundaries_in_grads) -> Storage:
-    """The one storage the keyword flags of `reconstruct` describe."""
+def storage_from_flags(policy: Any = None, offload: Any = False, boundary_dtype: Any = None,
+                       boundaries_in_grads: bool = True) -> Storage:
+    """The one storage the keyword flags of `reconstruct` describe (names or objects),
+    for code that builds a storage per segment from those flags.
+
+    >>> storage_from_flags(boundary_dtype="bf16").kind, storage_from_flags(policy="dots").kind
+    ('grad_slots', 'policy')
+    """
+    policy = resolve_policy(policy)
+    if boundary_dtype is not None:
+        from eae_jax.dtypes import parse_compute_dtype
+
+        boundary_dtype = parse_compute_dtype(boundary_dtype)
     if policy is not None:
         return Policy(policy)
     if offload:
@@ -552,10 +563,6 @@ def reconstruct(
                              "holds its own dtype and placement)")
         stores = _storage_list(storage, segments)
     else:
-        if boundary_dtype is not None:
-            from eae_jax.dtypes import parse_compute_dtype
-
-            boundary_dtype = parse_compute_dtype(boundary_dtype)
-        stores = [_storage_from_flags(resolve_policy(policy), offload, boundary_dtype, bool(boundaries_in_grads))
+        stores = [storage_from_flags(policy, offload, boundary_dtype, bool(boundaries_in_grads))
                   ] * len(segments)
     return Reconstructed(segments, chain_, stores, stats, single, bool(block_state))

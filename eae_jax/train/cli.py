@@ -83,7 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "profile": "STEP or FIRST:LAST: a jax.profiler trace of those steps in <out>/profile and a table of "
                    "where their time went",
         "grad_accum_dtype": "dtype gradients are accumulated in across microbatches (fp32 | bf16)",
-        "devices": "number of devices for data parallelism (default: all)",
+        "devices": "number of devices for data parallelism: the mesh data=N (default: all devices)",
+        "mesh": "device mesh, e.g. 'data=2,fsdp=2,model=2' or 'stage=4,data=2': data (batch split), fsdp "
+                "(params, gradients and AdamW state split, gathered block by block), model (tensor parallel: "
+                "heads and FFN width), stage (GPipe pipeline over --microbatches); axes left out have size 1",
+        "coordinator": "multi-host: address:port of process 0's coordinator (or JAX_COORDINATOR_ADDRESS; 'auto': "
+                       "let JAX detect a Slurm/Open MPI/TPU cluster)",
+        "num_processes": "multi-host: number of processes (or JAX_NUM_PROCESSES)",
+        "process_id": "multi-host: this process's index in [0, num_processes) (or JAX_PROCESS_ID)",
         "grad_clip": "global-norm gradient clipping (0: none)",
         "keep": "how many newest checkpoints to keep (0: all)",
         "resume": "resume from the newest readable checkpoint in <out>/checkpoints (a newer unreadable one is "

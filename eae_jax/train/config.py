@@ -75,6 +75,10 @@ class TrainConfig:
     resume: bool = True
     log_every: int = 10
     devices: Optional[int] = None
+    mesh: Optional[str] = None
+    coordinator: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
     fp8_scaling: str = "delayed"
     # The fastest guarded fp8 training on the H200 (README, "fp8 seams").
     fp8_fallback: str = "step"
@@ -119,6 +123,18 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.devices is not None and self.devices < 1:
             raise ValueError(f"devices must be >= 1 (or unset: all devices), got {self.devices}")
+        if self.mesh is not None:
+            from eae_jax.parallel.mesh import format_mesh, parse_mesh
+
+            if self.devices is not None:
+                raise ValueError(f"devices={self.devices} and mesh={self.mesh!r} both given: devices=N is the mesh "
+                                 "data=N; give one of them")
+            self.mesh = format_mesh(parse_mesh(self.mesh))  # validated, in its canonical spelling
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and (self.process_id < 0 or (self.num_processes is not None and
+                                                                     self.process_id >= self.num_processes)):
+            raise ValueError(f"process_id must lie in [0, num_processes), got {self.process_id}")
         for name in ("warmup", "keep"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

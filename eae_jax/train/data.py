@@ -102,10 +102,12 @@ class TokenWindows:
         self._check_ids(rows, f" in a window starting at one of the offsets {sorted(set(starts.tolist()))}")
         return jnp.asarray(rows.astype(np.int32))
 
-    def batch(self, key: jax.Array, batch: int) -> jax.Array:
-        """Int32 ``(batch, seq_len + 1)`` windows at positions drawn from ``key``."""
+    def batch(self, key: jax.Array, batch: int, rows: Optional[np.ndarray] = None) -> jax.Array:
+        """Int32 ``(batch, seq_len + 1)`` windows at positions drawn from ``key``
+        (``rows``: only those rows of that batch are read and returned)."""
         # A window is seq_len + 1 tokens (inputs and shifted targets): starts 0 .. n - seq_len - 1 all fit.
-        return self._rows(draw_starts(key, batch, self.tokens.shape[0] - self.seq_len))
+        starts = draw_starts(key, batch, self.tokens.shape[0] - self.seq_len)
+        return self._rows(starts if rows is None else starts[np.asarray(rows)])
 
     def spread(self, count: int) -> jax.Array:
         """Int32 ``(count, seq_len + 1)`` windows evenly spaced from the first token to the last
@@ -162,15 +164,22 @@ class TokenFile(TokenWindows):
         self.path = path
 
 
-def make_batches(key: jax.Array, source: Optional[TokenWindows], steps_batch: int, seq_len: int, vocab: int):
-    """One step's tokens from ``source`` (None: synthetic).
+def make_batches(key: jax.Array, source: Optional[TokenWindows], steps_batch: int, seq_len: int, vocab: int,
+                 rows: Optional[np.ndarray] = None):
+    """One step's tokens from ``source`` (None: synthetic); ``rows``: only those rows
+    of it (a token source reads only their windows: each process of a
+    multi-host run its own).
 
     Example:
-      >>> import jax
+      >>> import jax, numpy as np
       >>> from eae_jax.train.data import make_batches
       >>> make_batches(jax.random.key(0), None, 4, 8, 256).shape
       (4, 9)
+      >>> whole, rows = make_batches(jax.random.key(0), None, 4, 8, 256), np.array([3, 1])
+      >>> bool((make_batches(jax.random.key(0), None, 4, 8, 256, rows=rows) == whole[rows]).all())
+      True
     """
     if source is None:
-        return synthetic_batch(key, steps_batch, seq_len, vocab)
-    return source.batch(key, steps_batch)
+        tokens = synthetic_batch(key, steps_batch, seq_len, vocab)
+        return tokens if rows is None else tokens[np.asarray(rows)]
+    return source.batch(key, steps_batch, rows)

@@ -3,13 +3,17 @@
 One optimizer step takes a ``(microbatches, batch/microbatches, seq+1)``
 token block, scans over the microbatches (gradients accumulated in
 ``grad_accum_dtype``; the adjoint carry threaded through every backward),
-clips, applies AdamW, and returns metrics. With several devices the batch is
-sharded over a one-axis ``data`` mesh and the params are replicated; XLA
-inserts the gradient all-reduce.
+clips, applies AdamW, and returns metrics. The run is laid out over a mesh
+(``--mesh``; `eae_jax.train.sharding.RunSharding`): data parallel by
+default, FSDP, tensor parallel or pipelined on request; XLA inserts the
+collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import os
 from typing import Any, NamedTuple, Optional
 
@@ -20,14 +24,19 @@ import optax
 
 from eae_jax.dtypes import parse_compute_dtype
 from eae_jax.models.llama import cross_entropy, init_lm, lm_stack, split_params
-from eae_jax.train import checkpoint as ckpt
+from eae_jax.parallel.distributed import process_local_batch
+from eae_jax.parallel.mesh import format_mesh
+from eae_jax.parallel.pipeline import bubble_fraction
+from eae_jax.train.checkpoint import CheckpointStore
 from eae_jax.train.config import TrainConfig, parse_passes
 from eae_jax.buffers import unalias
 from eae_jax.text import save_tokenizer
 from eae_jax.train.data import TokenFile, make_batches
 from eae_jax.train.lock import RunLock
 from eae_jax.train.monitor import RunMonitor
+from eae_jax.train.resume import kept, nonfinite_leaves, resume_point
 from eae_jax.train.rundir import JsonlLog, naming_writes, prepare_out
+from eae_jax.train.sharding import RunSharding, mesh_for
 from eae_jax.train.sources import prepare_run
 
 
@@ -85,8 +94,12 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(*parts, optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
 
-def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
+def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None, param_shardings=None):
     """Build ``step(state, tokens) -> (state, metrics)`` (not yet jitted).
+
+    ``param_shardings`` (a tree of shardings like the params): every
+    microbatch's gradients are constrained to it, so they are reduced
+    straight into the params' layout (sharded for FSDP).
 
     ``tokens`` is int32 ``(microbatches, micro_batch, seq_len + 1)``.
     ``bound_fp8`` (from `bind_fp8`) folds the fp8 seams' ledgers and scales
@@ -124,6 +137,8 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
                 # fold moves the weight scales after each microbatch: cast at the current ones.
                 fp8_state = bound_fp8.cast_weights(fp8_acc, state.params["blocks"]) if cast else fp8_acc
             loss, (grads, g_fp8, g_carry) = grad_fn(state.params, fp8_state, carry, mb_tokens)
+            if param_shardings is not None:
+                grads = jax.lax.with_sharding_constraint(grads, param_shardings)
             carry, stats = stack.update(carry, g_carry, strict=False)
             if step_fallback:
                 fp8_acc = _add_observations(fp8_acc, g_fp8)
@@ -133,6 +148,8 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
             return (grads_acc, fp8_acc, carry), (loss, stats)
 
         zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, accum_dtype), state.params)
+        if param_shardings is not None:
+            zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
         fp8_init = jax.tree_util.tree_map(jnp.zeros_like, state.fp8) if step_fallback else state.fp8
         (grads, fp8_state, carry), (losses, stats) = jax.lax.scan(micro, (zeros, fp8_init, state.carry), tokens)
         n = tokens.shape[0]
@@ -182,14 +199,6 @@ def _add_observations(acc, g_fp8):
             for n, a in acc.items()}
 
 
-def _mesh(devices: Optional[int]):
-    available = jax.devices()
-    count = len(available) if devices is None else devices
-    if count < 1 or count > len(available):
-        raise ValueError(f"devices={devices} but {len(available)} are available")
-    return jax.sharding.Mesh(np.array(available[:count]), ("data",))
-
-
 def _keys(cfg: TrainConfig):
     """(params, carry, data) keys of a run, all from ``cfg.seed``."""
     return jax.random.split(jax.random.key(cfg.seed), 3)
@@ -205,25 +214,41 @@ def init_state(cfg: TrainConfig, model, stack, tx, bound_fp8=None, params=None) 
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), carry, k_data, fp8_state)
 
 
-def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional[dict] = None):
+def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional[dict] = None,
+          sharding: Optional[RunSharding] = None, materialize: bool = True):
     """Model, stack, optimizer, bound fp8 seams (or None) and the initial state of a run.
 
     ``source``: the run's token file (None: the synthetic task), for the fp8 calibration batch.
     ``params``: the initial params (``--init``); None draws them from ``cfg.seed``.
+    ``sharding``: the run's layout; the state is then made by one jitted
+    call straight into its shardings (no device ever holds it whole).
+    ``materialize=False`` returns ``make() -> state`` in the state's place
+    (a resumed run never makes one: ``jax.eval_shape(make)`` is its template).
     """
     model = cfg.model()
     tx = make_optimizer(cfg)
-    params = init_lm(_keys(cfg)[0], model) if params is None else params
-    bound = bind_fp8(cfg, model, params, jax.random.fold_in(_keys(cfg)[2], 2**31 - 1), source) if cfg.fp8 else None
-    stack = make_stack(cfg, model, bound)
-    return model, stack, tx, bound, init_state(cfg, model, stack, tx, bound, params)
+    bound = None
+    if cfg.fp8:
+        params = init_lm(_keys(cfg)[0], model) if params is None else params
+        bound = bind_fp8(cfg, model, params, jax.random.fold_in(_keys(cfg)[2], 2**31 - 1), source)
+    stack = make_stack(cfg, model, bound, sharding)
+
+    def make(p=params):
+        return init_state(cfg, model, stack, tx, bound, p)
+
+    if sharding is not None:
+        shardings = sharding.state_shardings(jax.eval_shape(make), tx, stack)
+        make = functools.partial(jax.jit(make, out_shardings=shardings), params)
+    return model, stack, tx, bound, make() if materialize else make
 
 
-def make_stack(cfg: TrainConfig, model, bound_fp8=None):
-    """The run's reconstruct stack, with ``bound_fp8``'s block when given."""
-    return lm_stack(model, block_fn=None if bound_fp8 is None else bound_fp8.block_fn(),
-                    passes=parse_passes(cfg.passes), boundary_dtype=cfg.boundary_dtype, policy=cfg.policy,
-                    offload=cfg.offload)
+def make_stack(cfg: TrainConfig, model, bound_fp8=None, sharding: Optional[RunSharding] = None):
+    """The run's stack, with ``bound_fp8``'s block when given, laid out by ``sharding`` when given."""
+    block_fn = None if bound_fp8 is None else bound_fp8.block_fn()
+    if sharding is not None:
+        return sharding.stack(cfg, parse_passes(cfg.passes), block_fn, fp8=bound_fp8 is not None)
+    return lm_stack(model, block_fn=block_fn, passes=parse_passes(cfg.passes), boundary_dtype=cfg.boundary_dtype,
+                    policy=cfg.policy, offload=cfg.offload)
 
 
 #: Steps a delayed-gradient-scaling run waits for every seam to observe its
@@ -240,41 +265,6 @@ def _grad_scales_observed(bound_fp8, fp8_state) -> bool:
     return True
 
 
-def _kept(ckpt_dir: str) -> str:
-    latest = ckpt.latest(ckpt_dir)
-    return f"last checkpoint kept: {latest}" if latest else f"no checkpoint in {ckpt_dir} yet"
-
-
-#: Config fields a resumed run may change: bookkeeping, the schedule's length
-#: (extending a run), and how (not what) it computes.
-RESUME_MAY_CHANGE = ("steps", "out", "checkpoint_every", "keep", "resume", "log_every", "devices", "policy",
-                     "offload", "val_every", "val_batches", "quiet", "tensorboard", "plot", "peak_tflops", "profile")
-
-
-def _check_resumable(cfg: TrainConfig, path: str, meta: dict) -> None:
-    """Refuse to resume a checkpoint written with another config (the fields not in `RESUME_MAY_CHANGE`)
-    or past ``cfg.steps``."""
-    saved = meta.get("config")
-    if isinstance(saved, dict):
-        now = cfg.to_dict()
-        diffs = []
-        for name in sorted(set(saved) & set(now)):  # a field older checkpoints lack is not compared
-            if name in RESUME_MAY_CHANGE or saved.get(name) == now.get(name):
-                continue
-            if name == "data" and saved.get(name) and now.get(name) and \
-                    os.path.realpath(saved[name]) == os.path.realpath(now[name]):
-                continue
-            diffs.append(f"{name}: {saved.get(name)!r} in the checkpoint, {now.get(name)!r} now")
-        if diffs:
-            raise ckpt.CheckpointError(
-                f"checkpoint {path} was written with a different config; resuming it would not continue that run:"
-                "\n  " + "\n  ".join(diffs) + "\nrerun with the checkpoint's settings, or pass a fresh --out")
-    step = meta.get("step", 0)
-    if isinstance(step, int) and step > cfg.steps:
-        raise ValueError(f"checkpoint {path} is at step {step}, past steps={cfg.steps}: pass --steps >= {step} "
-                         "to continue the run, or a fresh --out")
-
-
 def _say_schedule_change(cfg: TrainConfig, meta: dict, step: int, log_fn) -> None:
     """Log how a resumed run's learning rate changes when ``steps`` (the cosine
     schedule's length) differs from the checkpoint's: the schedule is rebuilt
@@ -287,80 +277,101 @@ def _say_schedule_change(cfg: TrainConfig, meta: dict, step: int, log_fn) -> Non
            f"the learning rate at step {step} moves from {before:.3e} to {after:.3e}")
 
 
+
+
+class _ReadOnlyLog(JsonlLog):
+    """The run's log as a process other than the first sees it: read, never written."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+
+def _silent(*args, **kwargs):
+    """The log function of every process but the first (logs are written once)."""
+
+
 def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
     """Run (or resume) a training run; returns a summary dict.
 
     ``until`` stops this invocation after that step (a checkpoint is written
     there) without changing the run's schedule, as a pre-empted job would.
 
+    The run is laid out over ``cfg.mesh`` (`eae_jax.train.sharding`). With
+    ``coordinator`` / ``num_processes`` / ``process_id`` (or the
+    ``JAX_COORDINATOR_ADDRESS`` ... variables) every process of a multi-host
+    run calls this; each loads only its rows of every batch, the first one
+    writes the log, the tokenizer, TensorBoard files and the plot and holds
+    the lock, all of them write their shards of every checkpoint.
+
     Writes ``<out>/log.jsonl`` (one record per logged step) and checkpoints
-    under ``<out>/checkpoints`` (atomic; the newest readable one is resumed
-    when ``cfg.resume``); a text run's tokenizer, TensorBoard files, the loss
-    plot and ``--profile``'s trace beside them (`RunMonitor`). The run holds
+    under ``<out>/checkpoints`` (Orbax, `eae_jax.train.checkpoint`: sharded,
+    written in the background, atomic; the newest readable one is resumed
+    when ``cfg.resume``, onto whatever mesh this run has). The run holds
     ``<out>``'s lock (`RunLock`) throughout: a second run into the same
     ``out`` is refused.
 
-    Resuming: an unreadable newest checkpoint (damaged, not an archive) is
-    moved aside to ``<name>.unreadable`` (never deleted) with a warning
+    Resuming: an unreadable newest checkpoint (damaged, not a checkpoint)
+    is moved aside to ``<name>.unreadable`` (never deleted) with a warning
     naming it, and the newest readable one is resumed; when none is
-    readable the run is refused, naming them.
+    readable the run is refused, naming them. ``.npz`` checkpoints of older
+    runs resume too.
 
     Raises:
-      ValueError / TypeError: a bad config, data file or output directory
-        (before anything is built); CheckpointError: a checkpoint that does
-        not continue this run, or none readable.
+      ValueError / TypeError: a bad config, mesh, data file or output
+        directory (before anything is built); CheckpointError: a checkpoint
+        that does not continue this run, or none readable.
       RunLockedError: another live run holds ``out``.
       PermissionError / RunWriteError: ``out`` cannot be written (up front),
         or a write failed mid-run (the message names the step and file).
       FloatingPointError: the run diverged (the last good checkpoint is kept).
     """
-    # Fail on a bad --out, --data or --devices before building (and compiling) anything.
+    from eae_jax.parallel.distributed import initialize, is_primary
+
+    initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    primary = is_primary()
+    say = log_fn if primary else _silent
+    # Fail on a bad --out, --data or --mesh before building (and compiling) anything.
     ckpt_dir = prepare_out(cfg.out)
-    with RunLock(cfg.out, log_fn):
-        return _train_locked(cfg, ckpt_dir, log_fn, until)
+    with RunLock(cfg.out, say) if primary else contextlib.nullcontext():
+        store = CheckpointStore(ckpt_dir, keep=cfg.keep)
+        try:
+            summary = _train_locked(cfg, store, say, until, primary)
+        except BaseException:
+            try:
+                store.close()  # the checkpoint being written completes; the error that stopped the run wins
+            except Exception:
+                pass
+            raise
+        store.close()
+        return summary
 
 
-def _resume_point(cfg: TrainConfig, ckpt_dir: str, log_fn):
-    """``(path, arrays, metadata)`` of the checkpoint to resume (Nones for a fresh run);
-    unreadable newer ones are set aside with a warning (see `train`)."""
-    if not cfg.resume:
-        if ckpt.latest(ckpt_dir):
-            raise ValueError(f"resume is off but {ckpt_dir} already holds checkpoints (newest "
-                             f"{ckpt.latest(ckpt_dir)}); a fresh run there would mix its checkpoints and log with "
-                             "the old run's: pass a fresh --out, or move the old run away")
-        return None, None, None
-    path, arrays, meta, unreadable = ckpt.newest_readable(ckpt_dir)
-    if path is None and unreadable:
-        raise ckpt.CheckpointError(
-            f"no readable checkpoint in {ckpt_dir}: " + "; ".join(str(err) for _, err in unreadable)
-            + ". Nothing was deleted: move them away to start afresh, or pass a fresh --out")
-    if path is not None:  # its config first: a mismatch names its cause rather than the shapes it changes
-        _check_resumable(cfg, path, meta)
-    for bad, err in unreadable:
-        aside = ckpt.set_aside(bad)
-        log_fn(f"warning: {err}; moved aside to {aside} (not deleted); resuming from the older {path}")
-    return path, arrays, meta
-
-
-def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int]) -> dict:
+def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optional[int], primary: bool) -> dict:
     run = prepare_run(cfg, log_fn)  # text, token file or synthetic; --init: they fix the vocabulary and shape
     cfg, source = run.config, run.train
-    resumed_from, arrays, meta = _resume_point(cfg, ckpt_dir, log_fn)
-    mesh = _mesh(cfg.devices)
-    micro_batch = cfg.batch // cfg.microbatches
-    if micro_batch % mesh.size:
-        raise ValueError(f"micro-batch {micro_batch} does not split over {mesh.size} devices")
-    model, stack, tx, bound_fp8, state = build(cfg, source, run.init_params)
+    sharding = RunSharding(cfg, cfg.model(), mesh_for(cfg))
+    log_fn(sharding.describe())
+    model, stack, tx, bound_fp8, make_state = build(cfg, source, run.init_params, sharding, materialize=False)
+    template = jax.eval_shape(make_state)
+    state_sh = sharding.state_shardings(template, tx, stack)
+    resumed_from, state, meta = resume_point(cfg, store, template, state_sh, log_fn)
     if resumed_from:
-        state = ckpt.fit(resumed_from, arrays, state)
+        # The step donates its state: no two leaves may share a buffer (outputs of jit never do).
+        state = unalias(state)
         log_fn(f"resumed from {resumed_from} at step {int(state.step)}")
         _say_schedule_change(cfg, meta, int(state.step), log_fn)
+    else:
+        state = make_state()
+    data_sharding = sharding.tokens_sharding()
 
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data", None))
-    # The step donates its state: no two leaves may share a buffer (outputs of jit never do).
-    state = unalias(jax.device_put(state, replicated))
-    step_fn = jax.jit(make_train_step(cfg, stack, tx, model, bound_fp8), donate_argnums=(0,))
+    def jit_step(fn):
+        return jax.jit(fn, in_shardings=(state_sh, data_sharding), out_shardings=(state_sh, sharding.replicated()),
+                       donate_argnums=(0,))
+
+    step_fn = jit_step(make_train_step(cfg, stack, tx, model, bound_fp8, param_shardings=state_sh.params))
     # Delayed gradient scaling needs scales observed by a step first: the
     # current-scaling step runs until every seam and layer has them (one
     # step unless it fell back), then the delayed step takes over for good
@@ -369,8 +380,8 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
     grad_scaling = "current"  # what the run's steps use now (the summary reports it)
     if bound_fp8 is not None and cfg.fp8_grad_scaling == "delayed":
         delayed = bound_fp8.with_recipe(gradient="delayed")
-        delayed_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, delayed), tx, model, delayed),
-                             donate_argnums=(0,))
+        delayed_fn = jit_step(make_train_step(cfg, make_stack(cfg, model, delayed, sharding), tx, model, delayed,
+                                              param_shardings=state_sh.params))
         if _grad_scales_observed(bound_fp8, state.fp8):
             step_fn, delayed_fn, grad_scaling = delayed_fn, None, "delayed"
 
@@ -380,20 +391,31 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
     # per block).
     rerun_fn = None
     if bound_fp8 is not None and bound_fp8.fallback == "step":
-        rerun_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, None), tx, model, None), donate_argnums=(0,))
+        rerun_fn = jit_step(make_train_step(cfg, make_stack(cfg, model, None, sharding), tx, model, None,
+                                            param_shardings=state_sh.params))
 
-    log = JsonlLog(os.path.join(cfg.out, "log.jsonl"))
+    log = JsonlLog(os.path.join(cfg.out, "log.jsonl")) if primary else _ReadOnlyLog(os.path.join(cfg.out, "log.jsonl"))
     first_loss = last_loss = None
     start_step = int(state.step)
     # Records of steps past the checkpoint (a run killed between checkpoints)
     # are redone by this run: drop them so every step is logged once.
     with naming_writes(start_step, log.path):
         log.truncate_after(start_step)
-    if run.tokenizer is not None:  # beside the checkpoints, where eae-jax generate looks
+    if run.tokenizer is not None and primary:  # beside the checkpoints, where eae-jax generate looks
         with naming_writes(start_step, cfg.out):
             save_tokenizer(run.tokenizer, cfg.out)
     last_step = cfg.steps if until is None else min(until, cfg.steps)
-    monitor = RunMonitor(cfg, model, run.val, log, start_step, last_step, log_fn, devices=mesh.size)
+    # Which row of the step's batch sits where in the token block the step takes.
+    rows_at = np.asarray(sharding.arrange_tokens(np.arange(cfg.batch)[:, None]))[..., 0]
+    block_shape = rows_at.shape + (cfg.seq_len + 1,)
+    data_root = jax.random.wrap_key_data(np.asarray(jax.device_get(jax.random.key_data(state.key))),
+                                         impl=jax.random.key_impl(state.key))
+    pending = None  # (step, path) of the checkpoint being written in the background
+    # Other processes write no TensorBoard files, plot or trace: the first one does.
+    monitor_cfg = cfg if primary else dataclasses.replace(cfg, tensorboard=False, plot=False, profile=None,
+                                                                 quiet=True)
+    monitor = RunMonitor(monitor_cfg, model, run.val, log, start_step, last_step, log_fn,
+                         devices=sharding.mesh.size)
     log_fn = monitor.write  # above the progress bar
     log_fn(f"training on {run.source}")
     step = start_step
@@ -402,9 +424,9 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
         for step in range(start_step, last_step):
             monitor.begin_step(step + 1)
             with monitor.host("batch"):
-                data_key = jax.random.fold_in(state.key, step)
-                tokens = make_batches(data_key, source, cfg.batch, cfg.seq_len, model.vocab_size)
-                tokens = jax.device_put(tokens.reshape(cfg.microbatches, micro_batch, -1), data_sharding)
+                data_key = jax.random.fold_in(data_root, step)
+                tokens = process_local_batch(block_shape, data_sharding, rows_at, lambda rows: np.asarray(
+                    make_batches(data_key, source, cfg.batch, cfg.seq_len, model.vocab_size, rows=rows)))
             state, metrics = monitor.run_step(step_fn, state, tokens)
             done = step + 1
             if rerun_fn is not None and bool(metrics["fp8_step_rejected"]):
@@ -424,7 +446,7 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
                 metrics = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist())
                            for k, v in jax.device_get(metrics).items()}
                 if not np.isfinite(metrics["loss"]):
-                    raise FloatingPointError(f"loss became {metrics['loss']} at step {done}; {_kept(ckpt_dir)}")
+                    raise FloatingPointError(f"loss became {metrics['loss']} at step {done}; {kept(store)}")
                 metrics.update(step=done, **monitor.measure(done, state))
                 first_loss = metrics["loss"] if first_loss is None else first_loss
                 last_loss = metrics["loss"]
@@ -432,29 +454,33 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
                     log.write(metrics)
                 monitor.report(metrics)
             if done % cfg.checkpoint_every == 0 or done == last_step:
-                host_state = jax.device_get(state)
                 # Never let a checkpoint of diverged params replace (keep=) the good ones.
                 loss = float(np.asarray(metrics["loss"]))
-                bad = [jax.tree_util.keystr(p) for p, x in
-                       jax.tree_util.tree_leaves_with_path((host_state.params, host_state.opt_state))
-                       if np.issubdtype(np.asarray(x).dtype, np.inexact) and not np.all(np.isfinite(x))]
+                bad = nonfinite_leaves((state.params, state.opt_state))
                 if bad or not np.isfinite(loss):
                     what = [f"loss {loss}"] if not np.isfinite(loss) else []
                     if bad:
                         what.append(f"{len(bad)} state arrays ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
                     raise FloatingPointError(f"non-finite {' and '.join(what)} at step {done}; not checkpointed; "
-                                             f"{_kept(ckpt_dir)}")
-                with naming_writes(done, os.path.join(ckpt_dir, f"ckpt_{done:08d}.npz")), monitor.host("checkpoint"):
-                    path = ckpt.save(ckpt_dir, done, host_state, metadata={"config": cfg.to_dict()}, keep=cfg.keep)
-                log_fn(f"checkpoint {path}")
+                                             f"{kept(store)}")
+                if pending is not None:  # the previous one has had checkpoint_every steps to finish
+                    with naming_writes(*pending), monitor.host("checkpoint"):
+                        store.wait()
+                pending = (done, store.path(done))
+                with naming_writes(*pending), monitor.host("checkpoint"):
+                    store.save(done, state, metadata={"config": cfg.to_dict()})
+                log_fn(f"checkpoint {pending[1]}")
             monitor.end_step(done, state)
+        if pending is not None:
+            with naming_writes(*pending):
+                store.wait()
     except jax.errors.JaxRuntimeError as err:
         # nonfinite_guard('raise') raises on the host from inside the step: a diverged run, not a crash.
         lines = [line for line in str(err).splitlines() if "nonfinite_guard:" in line]
         if not lines:
             raise
         raise FloatingPointError(f"step {step + 1}: {lines[0].split('nonfinite_guard:', 1)[1].strip()} "
-                                 f"(nonfinite_guard); {_kept(ckpt_dir)}") from None
+                                 f"(nonfinite_guard); {kept(store)}") from None
     finally:
         monitor.close()
     if last_loss is None:
@@ -464,7 +490,11 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
         if logged:
             first_loss, last_loss = logged[0]["loss"], logged[-1]["loss"]
     summary = {"first_loss": first_loss, "final_loss": last_loss, "steps": last_step, "resumed_from": resumed_from,
-               "steps_run": max(last_step - start_step, 0), "out": cfg.out, "trained_on": run.source}
+               "steps_run": max(last_step - start_step, 0), "out": cfg.out, "trained_on": run.source,
+               "mesh": format_mesh(sharding.sizes)}
+    if sharding.pipelined:
+        summary["pipeline"] = {"stages": sharding.stages, "microbatches": sharding.microbatches,
+                               "bubble_fraction": bubble_fraction(sharding.stages, sharding.microbatches)}
     summary.update(monitor.finish(summary["steps_run"]))
     if bound_fp8 is not None:
         report = bound_fp8.report(jax.device_get(state.fp8))

@@ -1,0 +1,135 @@
+"""How a training run lays its state, its batches and its stack over a mesh.
+
+`RunSharding` is built once per run from the mesh (``--mesh``): params,
+gradients and AdamW moments follow `eae_jax.parallel.lm_param_shardings`
+(split over ``fsdp`` and ``model``, block ranges over ``stage``); the
+adjoint carry, step and key are replicated; token batches are split over
+``data`` and ``fsdp``. The stack is `lm_stack` whose scanned blocks have the
+`eae_jax.parallel.Sharded` storage (each block's params gathered when it
+runs, its gradient reduce-scattered there, boundaries in the batch layout,
+gradient slots only on one device), or the `PipelinedLM` when ``stage > 1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from eae_jax.models.llama import lm_stack
+from eae_jax.parallel.lm import lm_logical_axes, lm_param_shardings, opt_state_shardings
+from eae_jax.parallel.mesh import format_mesh, make_mesh, mesh_size
+from eae_jax.parallel.pipeline import bubble_fraction
+from eae_jax.parallel.pipeline_lm import PipelinedLM, interleave_microbatches
+from eae_jax.parallel.rules import tree_specs
+from eae_jax.parallel.storage import Sharded, storage_for_mesh
+from eae_jax.reconstruct import storage_from_flags
+
+
+def mesh_for(cfg) -> jax.sharding.Mesh:
+    """The run's mesh: ``cfg.mesh``, else ``data=<cfg.devices>`` (default: every device on ``data``).
+
+    >>> from eae_jax.train import TrainConfig
+    >>> dict(mesh_for(TrainConfig(devices=1)).shape)
+    {'data': 1, 'stage': 1, 'fsdp': 1, 'model': 1}
+    """
+    if cfg.mesh is not None:
+        return make_mesh(cfg.mesh)
+    count = jax.device_count() if cfg.devices is None else cfg.devices
+    if count > jax.device_count():
+        raise ValueError(f"devices={cfg.devices} but {jax.device_count()} are available")
+    return make_mesh({"data": count})
+
+
+class RunSharding:
+    """The layout of one training run over ``mesh`` (see the module doc).
+
+    >>> from eae_jax.train import TrainConfig
+    >>> cfg = TrainConfig(batch=4)
+    >>> run = RunSharding(cfg, cfg.model(), mesh_for(TrainConfig(devices=1)))
+    >>> run.describe()
+    'mesh data=1 (1 device)'
+    """
+
+    def __init__(self, cfg, model, mesh):
+        self.mesh, self.model = mesh, model
+        self.sizes = {axis: mesh_size(mesh, axis) for axis in mesh.axis_names}
+        self.stages = self.sizes.get("stage", 1)
+        self.microbatches = cfg.microbatches
+        self.batch_axes = tuple(a for a in ("data", "fsdp") if self.sizes.get(a, 1) > 1)
+        lm_logical_axes(model, mesh)  # heads that do not split over `model` fail here, before a build
+        shards = mesh_size(mesh, *self.batch_axes)
+        micro = cfg.batch // cfg.microbatches
+        if micro % shards:
+            raise ValueError(f"mesh {format_mesh(self.sizes)}: the micro-batch of {micro} sequences does not split "
+                             f"over the {shards} devices of {' x '.join(self.batch_axes)}")
+        if self.stages > 1:
+            if mesh_size(mesh, "fsdp", "model") > 1:
+                raise ValueError(f"mesh {format_mesh(self.sizes)}: a pipeline (stage > 1) combines with data "
+                                 "parallelism only; drop fsdp and model, or the stage axis")
+            if model.depth % self.stages:
+                raise ValueError(f"mesh {format_mesh(self.sizes)}: depth {model.depth} does not split into "
+                                 f"{self.stages} stages of equal block ranges")
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stages > 1
+
+    def describe(self) -> str:
+        """One line: the mesh, and a pipeline's bubble."""
+        line = f"mesh {format_mesh(self.sizes)} ({self.mesh.size} device{'s' if self.mesh.size > 1 else ''})"
+        if self.pipelined:
+            line += (f"; GPipe over {self.stages} stages x {self.microbatches} microbatches, bubble fraction "
+                     f"{bubble_fraction(self.stages, self.microbatches):.3f}")
+        return line
+
+    # ------------------------------------------------------------------ layout
+    def param_shardings(self, params: Any) -> dict:
+        return lm_param_shardings(self.model, params, self.mesh)
+
+    def block_specs(self) -> dict:
+        """One block's param specs (no depth axis), for `gather_block`."""
+        block_axes = lm_logical_axes(self.model, self.mesh)["blocks"]
+        one = jax.tree_util.tree_map(lambda lg: lg[1:], block_axes, is_leaf=lambda x: isinstance(x, tuple))
+        shapes = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, "float32"), self.model.block.param_shapes(),
+                                        is_leaf=lambda x: isinstance(x, tuple))
+        return tree_specs(one, shapes, self.mesh)
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def state_shardings(self, state, tx, stack) -> Any:
+        """Shardings of a `TrainState` (params, moments split; the rest replicated)."""
+        rep = self.replicated()
+        params = self.param_shardings(state.params)
+        carry = (stack.carry_shardings(state.carry) if isinstance(stack, PipelinedLM)
+                 else jax.tree_util.tree_map(lambda _: rep, state.carry))
+        return type(state)(rep, params, opt_state_shardings(tx, state.opt_state, params, self.mesh), carry, rep,
+                           jax.tree_util.tree_map(lambda _: rep, state.fp8))
+
+    def tokens_sharding(self) -> NamedSharding:
+        """Of a step's token block ``(microbatches, micro_batch, seq + 1)`` (see `arrange_tokens`)."""
+        axes = self.batch_axes
+        return NamedSharding(self.mesh, PartitionSpec(None, (axes[0] if len(axes) == 1 else axes) or None, None))
+
+    def arrange_tokens(self, tokens):
+        """A step's ``(batch, seq + 1)`` tokens as the step takes them: split into
+        microbatches, or (pipeline) one block of interleaved microbatches."""
+        if self.pipelined:
+            return interleave_microbatches(tokens, self.microbatches)[None]
+        return tokens.reshape((self.microbatches, tokens.shape[0] // self.microbatches) + tokens.shape[1:])
+
+    # ------------------------------------------------------------------ stack
+    def stack(self, cfg, passes, block_fn=None, fp8: bool = False):
+        """The run's stack over this mesh (``block_fn``: the fp8 block, or None)."""
+        if self.pipelined:
+            return PipelinedLM(self.model, self.mesh, self.microbatches, block_fn=block_fn, passes=passes,
+                               boundary_dtype=cfg.boundary_dtype, policy=cfg.policy, offload=cfg.offload)
+        inner = storage_from_flags(cfg.policy, cfg.offload, cfg.boundary_dtype)
+        specs = self.block_specs()
+        axes = self.batch_axes
+        blocks = Sharded(inner, self.mesh, {"params": specs, "fp8": None} if fp8 else specs, gather=("fsdp",),
+                         x_spec=PartitionSpec((axes[0] if len(axes) == 1 else axes) or None))
+        plain = storage_for_mesh(inner, self.mesh)
+        return lm_stack(self.model, block_fn=block_fn, passes=passes, storage=[plain, blocks, plain])

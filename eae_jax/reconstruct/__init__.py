@@ -40,6 +40,9 @@ pick one for all segments):
   policy names, kept as the residuals of each block's VJP.
 * `Host` / `HostUnrolled` (``dtype``): the boundaries in pinned host
   memory, scanned runs kept as a scan or unrolled block by block.
+* `Runs` (``((blocks, storage), ...)``): a scanned segment split into
+  consecutive runs, each with its own storage (what a memory budget plans,
+  `eae_jax.reconstruct.budget`).
 
 The protocol, per segment and per call of the stack:
 
@@ -76,6 +79,7 @@ device, for instance, are (besides `bind`'s default) two methods::
 from eae_jax.reconstruct.adjoint import AtBoundary
 from eae_jax.reconstruct.host import Host, HostUnrolled
 from eae_jax.reconstruct.policy import Policy, resolve_policy
+from eae_jax.reconstruct.runs import Runs
 from eae_jax.reconstruct.slots import GradSlots
 from eae_jax.reconstruct.stack import OFFLOAD_SCHEDULES, Reconstructed, Scan, reconstruct
 from eae_jax.reconstruct.storage import (BoundaryStorage, OnDevice, Segment, SegmentLayout, Storage, cast_boundary,
@@ -83,6 +87,6 @@ from eae_jax.reconstruct.storage import (BoundaryStorage, OnDevice, Segment, Seg
 
 __all__ = [
     "AtBoundary", "BoundaryStorage", "GradSlots", "Host", "HostUnrolled", "OFFLOAD_SCHEDULES", "OnDevice", "Policy",
-    "Reconstructed", "Scan", "Segment", "SegmentLayout", "Storage", "cast_boundary", "first_order_only",
+    "Reconstructed", "Runs", "Scan", "Segment", "SegmentLayout", "Storage", "cast_boundary", "first_order_only",
     "reconstruct", "resolve_policy",
 ]

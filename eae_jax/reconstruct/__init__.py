@@ -77,7 +77,10 @@ device, for instance, are (besides `bind`'s default) two methods::
 """
 
 from eae_jax.reconstruct.adjoint import AtBoundary
+from eae_jax.reconstruct.budget import MemoryBudget, plan_memory
+from eae_jax.reconstruct.costs import Costs, Option, default_options, measure_costs
 from eae_jax.reconstruct.host import Host, HostUnrolled
+from eae_jax.reconstruct.planner import BudgetError, Plan, make_plan, parse_budget
 from eae_jax.reconstruct.policy import Policy, resolve_policy
 from eae_jax.reconstruct.runs import Runs
 from eae_jax.reconstruct.slots import GradSlots
@@ -86,7 +89,8 @@ from eae_jax.reconstruct.storage import (BoundaryStorage, OnDevice, Segment, Seg
                                          first_order_only)
 
 __all__ = [
-    "AtBoundary", "BoundaryStorage", "GradSlots", "Host", "HostUnrolled", "OFFLOAD_SCHEDULES", "OnDevice", "Policy",
-    "Reconstructed", "Runs", "Scan", "Segment", "SegmentLayout", "Storage", "cast_boundary", "first_order_only",
-    "reconstruct", "resolve_policy",
+    "AtBoundary", "BoundaryStorage", "BudgetError", "Costs", "GradSlots", "Host", "HostUnrolled", "MemoryBudget",
+    "OFFLOAD_SCHEDULES", "OnDevice", "Option", "Plan", "Policy", "Reconstructed", "Runs", "Scan", "Segment",
+    "SegmentLayout", "Storage", "cast_boundary", "default_options", "first_order_only", "make_plan", "measure_costs",
+    "parse_budget", "plan_memory", "reconstruct", "resolve_policy",
 ]

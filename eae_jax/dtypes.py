@@ -38,6 +38,32 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 #: The names an fp8 format (`DTypePolicy.fp8_format`) may be given by.
 FP8_FORMAT_NAMES = ("fp8_e4m3", "fp8_e5m2", "float8_e4m3fn", "float8_e5m2")
 
+#: The fp8 formats by short name (``e4m3``: forward operands, ``e5m2``:
+#: gradients): the one table `eae_jax.fp8` and the ``fp8_quant`` pass read.
+FP8_FORMATS = {"e4m3": FP8_DTYPES[0], "e5m2": FP8_DTYPES[1]}
+
+
+def fp8_dtype(fmt: Any) -> jnp.dtype:
+    """The fp8 format ``fmt`` names: a key of `FP8_FORMATS`, one of
+    `FP8_FORMAT_NAMES`, or one of `FP8_DTYPES`.
+
+    >>> fp8_dtype("e5m2") == jnp.float8_e5m2
+    True
+
+    Raises:
+      ValueError: anything else (the message lists the names).
+    """
+    if isinstance(fmt, str) and fmt.strip().lower() in FP8_FORMATS:
+        return FP8_FORMATS[fmt.strip().lower()]
+    try:
+        dtype = parse_compute_dtype(fmt) if isinstance(fmt, str) else jnp.dtype(fmt)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{fmt!r} is not an fp8 format; expected one of "
+                         f"{', '.join(tuple(FP8_FORMATS) + FP8_FORMAT_NAMES)}")
+    return dtype
+
 
 def parse_compute_dtype(name: Any) -> jnp.dtype:
     """Return the JAX dtype for a dtype name or dtype-like.

@@ -98,7 +98,8 @@ def main(spec_path: str) -> None:
         return torch.from_numpy(np.ascontiguousarray(b).view(np.int16)).view(bf16).to(device)
 
     shape = {"dim": cfg.dim, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "depth": cfg.depth}
-    blocks = bt.build_blocks(shape, lambda name, i: from_bits(bits[name][i]), bc.LEAVES, cfg.seq, device, bf16)
+    blocks = bt.build_blocks(shape, lambda name, i: from_bits(bits[name][i]), bc.LEAVES, cfg.seq, device, bf16,
+                             expand_kv=variant["mode"] == "compile-budget")
     n_params = sum(p.numel() for p in blocks.parameters())
     if n_params != cfg.param_count():
         raise ValueError(f"torch stack has {n_params} params, the config {cfg.param_count()}")

@@ -27,12 +27,12 @@ What "fp8" means here: `eae_jax.fp8` seams (e4m3 forward GEMMs on
 ``float8_e4m3fn`` operands, e5m2 gradients with current per-tensor scaling
 in the backward), static calibrated activation scales unless a row says
 otherwise, guards on (one ``lax.cond`` per seam call) unless "unguarded",
-e4m3 weight scales per output channel unless "tensor-w" (per tensor, from
-the weight's amax in the same call) or "delayed-w" (per tensor, from the
-amax observed in an earlier step; the forward-only "fwd" timing then has no
-weight reduction at all, the forward+backward one observes the amax). The
-e2e step runs every ``--guards`` variant (one ``lax.cond`` per seam call,
-one per block call, none) against one bf16 step, compiled one by one and
+e4m3 weight scales per output channel unless "delayed-w" (per tensor, from
+the amax observed in an earlier step; the forward-only "fwd" timing then has no
+weight reduction at all, the forward+backward one observes the amax) or
+"cast-w" (delayed, the weights cast to fp8 before the call). The
+e2e step runs every ``--guards`` variant (one ``lax.cond`` per block call,
+a step decision, none) against one bf16 step, compiled one by one and
 timed in the same process (a medium step compiles in about 100 s on the
 H200: give each config its own device call).
 Cosines are against the bf16 seam (the issue's reference): "bare" on the
@@ -50,7 +50,6 @@ with ``--smoke``), rewritten after every section.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -211,6 +210,11 @@ def in_graph(fn: Callable, args: tuple, vary: int, copies: int, warmup: int, ite
     return rec
 
 
+def fp8_calls(state, cot) -> float:
+    """The fp8 calls a seam state's cotangent (or forward observations) counted."""
+    return float(fp8.state.observations(state, cot)["counts"]["fp8_calls"])
+
+
 def cos(a, b) -> float:
     return float(fp8.cosine(jnp.asarray(a), jnp.asarray(b)))
 
@@ -312,7 +316,6 @@ FFN_SHAPES = {"1b": (8192, 2048, 5632), "7b": (8192, 4096, 11008)}
 FFN_VARIANTS = {
     "static": ("static", True, False, False, "channel"), "static-u": ("static", False, False, False, "channel"),
     "static-d": ("static", True, False, True, "channel"), "static-u-d": ("static", False, False, True, "channel"),
-    "tensorw-d": ("static", True, False, True, "tensor"), "tensorw-u-d": ("static", False, False, True, "tensor"),
     "delayedw-d": ("static", True, False, True, "delayed"), "delayedw-u-d": ("static", False, False, True, "delayed"),
     # delayed weight scales with the weights cast to fp8 before the timed
     # call (fp8.cast_weights: once per train step, for its forward and its
@@ -410,12 +413,12 @@ def ffn_section(args) -> List[Dict[str, Any]]:
         for key, (mode, guarded, fast_bwd, delayed, wscale) in FFN_VARIANTS.items():
             if args.ffn_variants and key not in args.ffn_variants:
                 continue
-            seam = fp8.ffn_seam(act_scaling=mode, check_values=guarded, fast_accum_bwd=fast_bwd,
-                                grad_scaling="delayed" if delayed else "current",
-                                weight_scaling="delayed" if wscale == "cast" else wscale)
+            seam = fp8.ffn_seam(activation=mode, check_values=guarded, fast_accum_bwd=fast_bwd,
+                                gradient="delayed" if delayed else "current",
+                                weight="delayed" if wscale == "cast" else wscale)
             name = (f"eae fp8 {mode}" + ("" if guarded else " unguarded") + (" fast-accum bwd" if fast_bwd else "")
                     + (" delayed grads" if delayed else "")
-                    + {"channel": "", "tensor": " tensor-w", "delayed": " delayed-w", "cast": " cast-w"}[wscale])
+                    + {"channel": "", "delayed": " delayed-w", "cast": " cast-w"}[wscale])
             try:
                 bound = fp8.bind(seam, pb, [c[1] for c in cal], residuals=[c[0] for c in cal])
             except fp8.GateRefused as err:
@@ -425,10 +428,11 @@ def ffn_section(args) -> List[Dict[str, Any]]:
             if delayed:
                 # Gradient scales observed by one current-scaling backward, as
                 # a training loop's first step would.
-                current = seam.replace(grad_scaling="current")
+                current = seam.replace(gradient="current")
                 observed = jax.jit(fb_of(lambda s, p, x: fp8.apply(current, s, p, x), (0, 1, 2)))(st, pb, h, ct)[1][0]
                 st = fp8.fold_state(seam, st, observed)
-                fp8.require_grad_scales(seam, st)
+                if not bool(jnp.all(st.grad_scales > 0)):
+                    raise RuntimeError(f"{name}: the current-scaling backward observed no gradient scales")
             extra = {}
             if wscale == "cast":
                 # The cast and the forward in one call, for comparison; the
@@ -471,7 +475,7 @@ def ffn_section(args) -> List[Dict[str, Any]]:
             _, (g_state, g_p, g_x) = fb["out"]
             record(name, fwd, fb, y, g_x, g_p, {
                 **extra,
-                "fp8_calls_fwd": float(inc.fp8_calls), "fp8_calls_fb": float(g_state.ledger.fp8_calls),
+                "fp8_calls_fwd": fp8_calls(st, inc), "fp8_calls_fb": fp8_calls(st, g_state),
                 "gate_worst_cos": bound.certification.worst_cos,
                 "gate_bare_cos": min(bound.certification.bare_cosines)}, gfwd, gfb)
             if key in ("static", "static-u"):
@@ -481,7 +485,7 @@ def ffn_section(args) -> List[Dict[str, Any]]:
                 fz = timed(lambda s, p, x: fp8.apply_with_ledger(seam, s, p, x), (st, frozen, h),
                            args.warmup, args.iters)
                 record(name + " frozen-weights (inference)", fz, None, fz["out"][0],
-                       extra={"fp8_calls_fwd": float(fz["out"][1].fp8_calls)})
+                       extra={"fp8_calls_fwd": fp8_calls(st, fz["out"][1])})
                 log(f"  {name} frozen-weights (inference): fwd {fz['median_ms']:.3f} ms "
                     f"({bf_fwd['median_ms'] / fz['median_ms']:.2f}x bf16), pipelined "
                     f"{bf_fwd['pipelined_ms'] / fz['pipelined_ms']:.2f}x")
@@ -577,7 +581,7 @@ def e2e_section(args) -> List[Dict[str, Any]]:
         for g in r.get("variants", {}) or [None]:
             table.append({**r, "guard": g, **(r["variants"][g] if g else {})})
     print_table("reconstruct train step (ms: median; fp8 = qkv, o and ffn seams; guard: where a failed check "
-                "falls back, one lax.cond per seam call / per block call / none)", table, [
+                "falls back, one lax.cond per block call / the step / none)", table, [
         ("config", lambda r: r["config"]),
         ("attention", lambda r: r.get("attention_impl")),
         ("guard", lambda r: r.get("guard")),
@@ -597,7 +601,7 @@ def e2e_section(args) -> List[Dict[str, Any]]:
     return rows
 
 
-GUARDS = ("seam", "block", "step", "off")
+GUARDS = ("block", "step", "off")
 #: ``<guard>+graphs``: the same step compiled with conditionals and while
 #: loops inside CUDA graphs (XLA's command buffers; the default set is the
 #: first six), where a conditional is a graph node decided on the device
@@ -609,26 +613,25 @@ GRAPH_CONDS = {"xla_gpu_enable_command_buffer":
 def _guard_spec(spec: str) -> tuple:
     """``'block+graphs'`` -> ``('block', GRAPH_CONDS, False, 'channel')``;
     ``'off+delayed'`` -> ``('off', None, True, 'channel')`` (delayed gradient
-    scaling); ``'+tensorw'`` / ``'+delayedw'`` / ``'+castw'`` set the last
-    (per-tensor weight scales, current / delayed / delayed with the weights
-    cast to fp8 once at the start of the step); raises ValueError for an
-    unknown guard or suffix, or two weight suffixes."""
+    scaling); ``'+delayedw'`` / ``'+castw'`` set the last (delayed per-tensor
+    weight scales, the weights cast to fp8 once at the start of the step or
+    not); raises ValueError for an unknown guard or suffix, or two weight
+    suffixes."""
     guard, *extras = spec.split("+")
-    weight_kinds = {"tensorw", "delayedw", "castw"}
+    weight_kinds = {"delayedw", "castw"}
     if (guard not in GUARDS or any(e not in {"graphs", "delayed"} | weight_kinds for e in extras)
             or len(set(extras)) != len(extras) or len(weight_kinds & set(extras)) > 1):
         raise ValueError(spec)
-    weights = ("tensor" if "tensorw" in extras else "delayed" if "delayedw" in extras
-               else "cast" if "castw" in extras else "channel")
+    weights = "delayed" if "delayedw" in extras else "cast" if "castw" in extras else "channel"
     return guard, (GRAPH_CONDS if "graphs" in extras else None), "delayed" in extras, weights
 
 
 def guard_variant(bound: "fp8.BoundBlock", guard: str) -> "fp8.BoundBlock":
-    """The bound block with guard ``'seam'`` / ``'block'`` / ``'step'`` (where
-    a failed check falls back) or ``'off'`` (no value checks: every call runs
-    fp8). Same calibration and gate for all. Raises ValueError otherwise."""
+    """The bound block with guard ``'block'`` / ``'step'`` (where a failed check
+    falls back) or ``'off'`` (no value checks: every call runs fp8). Same
+    calibration and gate for all. Raises ValueError otherwise."""
     if guard == "off":
-        return dataclasses.replace(bound, seams={n: sm.replace(check_values=False) for n, sm in bound.seams.items()})
+        return bound.with_recipe(check_values=False)
     if guard not in GUARDS:
         raise ValueError(f"unknown guard {guard!r}; expected one of {GUARDS}")
     return bound.with_fallback(guard)
@@ -646,7 +649,7 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     tokens = c["batch"] * c["seq"]
     flops = 4.0 * tokens * c["depth"] * cfg.block_flops_per_token(c["seq"])  # fwd + recompute + 2x bwd
 
-    seams = fp8.block_seams(config=fp8.SeamConfig(act_scaling=args.scaling))
+    seams = fp8.block_seams(activation=args.scaling)
     t = time.perf_counter()
     bound = fp8.bind_block(cfg, params, [x_cal], seams)
     bind_s = time.perf_counter() - t
@@ -660,14 +663,14 @@ def _e2e_one(args, name, c, impl, done: List[Dict[str, Any]]) -> Dict[str, Any]:
     if any(_guard_spec(g)[2] for g in specs) and all(_guard_spec(g)[2] for g in specs):
         raise ValueError("a '+delayed' variant needs a current-scaling variant in --guards to observe "
                          "the gradient scales it starts from")
-    # '+tensorw' / '+delayedw': the same activation scales with per-tensor
-    # weight scales (the gate above ran with per-channel ones; bench_fp8
-    # --ffn gates every scaling).
+    # '+delayedw' / '+castw': the same activation scales with delayed
+    # per-tensor weight scales (the gate above ran with per-channel ones;
+    # bench_fp8 --ffn gates every scaling).
     variants = {}
     for spec in specs:
         guard, _, delayed, weights = _guard_spec(spec)
-        b = guard_variant(bound, guard).with_grad_scaling("delayed" if delayed else "current")
-        variants[spec] = b.with_weight_scaling("delayed" if weights == "cast" else weights, params)
+        variants[spec] = guard_variant(bound, guard).with_recipe(
+            params, gradient="delayed" if delayed else "current", weight="delayed" if weights == "cast" else weights)
 
     stack = eae_jax.reconstruct(decoder_block(cfg))
 
@@ -806,8 +809,8 @@ def train_section(args) -> Dict[str, Any]:
             state = None
         else:
             cal = jnp.asarray(data[0][:, :-1])
-            seams = fp8.block_seams(config=fp8.SeamConfig(act_scaling=args.train_scaling, fast_accum_bwd=fast_bwd,
-                                                          weight_scaling=args.train_weight_scaling))
+            seams = fp8.block_seams(activation=args.train_scaling, fast_accum_bwd=fast_bwd,
+                                    weight=args.train_weight_scaling)
             bound = fp8.bind_block(cfg.block, params["blocks"], [embed(params["embed"], cal, jnp.bfloat16)], seams)
             stack = lm_stack(cfg, block_fn=bound.block_fn())
             state = bound.state
@@ -892,19 +895,19 @@ def main(argv=None) -> Dict[str, Any]:
                     help="FFN: also time this many calls inside one jitted function (no host dispatch between "
                          "them; 'graph' columns); 0: off (default 8, 2 with --smoke)")
     ap.add_argument("--configs", default="medium,7b", help="e2e configs: comma list of medium,7b")
-    ap.add_argument("--scaling", default="static", choices=fp8.seams.SCALINGS, help="e2e activation scaling")
-    ap.add_argument("--guards", default="seam,block,off",
-                    help="e2e: comma list of guard variants timed against one bf16 step: 'seam' (a lax.cond "
-                         "per seam call), 'block' (a lax.cond per block call), 'step' (checks, no cond in the "
+    ap.add_argument("--scaling", default="static", choices=fp8.ACTIVATION_SCALINGS, help="e2e activation scaling")
+    ap.add_argument("--guards", default="block,step,off",
+                    help="e2e: comma list of guard variants timed against one bf16 step: "
+                         "'block' (a lax.cond per block call), 'step' (checks, no cond in the "
                          "blocks: the step decides, a failed one is dropped), 'off' (no in-graph checks); "
                          "'<guard>+graphs' compiles it with conditionals and loops inside CUDA graphs; "
                          "'<guard>+delayed' scales output gradients from the amax observed in the previous "
                          "step (delayed scaling; needs a current-scaling variant in the list); "
-                         "'<guard>+tensorw' uses per-tensor weight scales, '<guard>+delayedw' delayed per-tensor ones, "
+                         "'<guard>+delayedw' uses delayed per-tensor weight scales, "
                          "'<guard>+castw' delayed ones with the weights cast to fp8 once per step")
-    ap.add_argument("--train-scaling", default="delayed", choices=fp8.seams.SCALINGS,
+    ap.add_argument("--train-scaling", default="delayed", choices=fp8.ACTIVATION_SCALINGS,
                     help="activation scaling for the training run (delayed follows drifting activations)")
-    ap.add_argument("--train-weight-scaling", default="channel", choices=fp8.quant.WEIGHT_SCALINGS,
+    ap.add_argument("--train-weight-scaling", default="channel", choices=fp8.WEIGHT_SCALINGS,
                     help="e4m3 weight scaling of the training run's fp8 seams")
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--markov-order", type=int, default=1, choices=(1, 2),
@@ -933,7 +936,7 @@ def main(argv=None) -> Dict[str, Any]:
     if unknown or not args.guards:
         ap.error(f"--guards: unknown {unknown}; expected a comma list of {GUARDS}, each optionally "
                  "with '+graphs' (conditionals inside CUDA graphs), '+delayed' (delayed gradient scaling) "
-                 "and/or '+tensorw' / '+delayedw' (per-tensor weight scales, current / delayed)")
+                 "and/or '+delayedw' / '+castw' (delayed per-tensor weight scales, cast once per step or not)")
     if args.warmup is None:
         args.warmup = 1 if args.smoke else 3
     if args.iters is None:

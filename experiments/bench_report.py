@@ -381,6 +381,9 @@ NOTES = (
     "cuDNN's fused attention (hlo.cudnn_attention_calls).",
     "torch.compile compiles each block (fullgraph, default mode, one graph shared by the blocks), the loss stays "
     "eager; T-compile-bX sets torch._functorch.config.activation_memory_budget = X for that process.",
+    "T-compile-bX repeats the kv heads before SDPA instead of enable_gqa: torch's partitioner under "
+    "activation_memory_budget counts SDPA FLOPs with a formula that refuses grouped shapes "
+    "(sdpa_flop_count: 'query/key/value shapes are incompatible').",
     "T-eae-nosync is the seed runtime with RuntimeConfig(scheduler=NoHostReadScheduler()): the seed's only "
     "per-block host read is the norm .item() inside ReconstructionEngine.reconstruct, which no RuntimeConfig "
     "option removes; the scheduler is the runtime's documented extension point. syncs/step counts synchronizing "

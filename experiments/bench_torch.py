@@ -103,10 +103,13 @@ class GqaAttention(nn.Module):
     """Causal grouped-query attention through SDPA with ``enable_gqa``.
 
     Query head ``h`` attends with kv head ``h // (num_heads // num_kv_heads)``,
-    the grouping of the reference's ``repeat_interleave``.
+    the grouping of the reference's ``repeat_interleave``. ``expand_kv``
+    repeats the kv heads instead of passing ``enable_gqa``: torch's
+    min-cut partitioner under ``activation_memory_budget`` counts SDPA's
+    FLOPs with a formula that refuses grouped shapes.
     """
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, rope: RopeTables):
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, rope: RopeTables, expand_kv: bool = False):
         super().__init__()
         if dim % num_heads or num_heads % num_kv_heads:
             raise ValueError(f"bad head layout: dim {dim}, heads {num_heads}, kv heads {num_kv_heads}")
@@ -116,6 +119,7 @@ class GqaAttention(nn.Module):
         self.v_proj = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
         self.out_proj = nn.Linear(num_heads * self.head_dim, dim, bias=False)
         self.rope = rope
+        self.expand_kv = expand_kv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -127,8 +131,12 @@ class GqaAttention(nn.Module):
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, hd).transpose(1, 2)
         cos, sin = self.rope.cos[:seq], self.rope.sin[:seq]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        grouped = self.num_kv_heads != self.num_heads
+        if grouped and self.expand_kv:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            grouped = False
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * hd))
 
 
@@ -143,10 +151,10 @@ class SdpaGqaBlock(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, ffn_hidden_dim: int, rope: RopeTables,
-                 norm_eps: float = 1e-6):
+                 norm_eps: float = 1e-6, expand_kv: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(dim, eps=norm_eps)
-        self.attn = GqaAttention(dim, num_heads, num_kv_heads, rope)
+        self.attn = GqaAttention(dim, num_heads, num_kv_heads, rope, expand_kv=expand_kv)
         self.ffn_norm = RMSNorm(dim, eps=norm_eps)
         self.ffn = SwiGLU(dim, hidden_dim=ffn_hidden_dim)
 
@@ -326,20 +334,21 @@ def make_step(blocks: nn.ModuleList, mode: str, x: torch.Tensor, y: torch.Tensor
     return step
 
 
-def build_blocks(shape: dict, weight, leaves, seq: int, device, dtype) -> nn.ModuleList:
+def build_blocks(shape: dict, weight, leaves, seq: int, device, dtype, expand_kv: bool = False) -> nn.ModuleList:
     """A stack of `SdpaGqaBlock` sharing one `RopeTables`, loaded block by block.
 
     ``shape``: dim, heads, kv_heads, ffn, depth; ``weight(our_name, i)``:
     block ``i``'s leaf as a tensor (loaded one at a time, so a deep stack
     never sits twice in memory); ``leaves``: ``(our_name, torch_module_path)``
-    pairs (`bench_common.LEAVES`).
+    pairs (`bench_common.LEAVES`); ``expand_kv``: see `GqaAttention`.
     """
     rope = RopeTables(shape["dim"] // shape["heads"], seq, dtype, device=device)
     blocks = nn.ModuleList()
     with torch.no_grad():
         for i in range(shape["depth"]):
             with torch.device(device):
-                blk = SdpaGqaBlock(shape["dim"], shape["heads"], shape["kv_heads"], shape["ffn"], rope)
+                blk = SdpaGqaBlock(shape["dim"], shape["heads"], shape["kv_heads"], shape["ffn"], rope,
+                                   expand_kv=expand_kv)
             blk = blk.to(dtype)  # the shared tables are already in dtype: .to() keeps them
             for name, path in leaves:
                 p = module_param(blk, path)

@@ -41,24 +41,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from eae_jax.blocks import init_swiglu, swiglu  # noqa: E402
-from eae_jax.fp8.quant import (E4M3, _linear_fwd_math, fp8_matmul, quantize,  # noqa: E402
-                               output_scale, quantize_weight_delayed, scale_from_amax, weight_amax)
+from eae_jax.fp8 import CastWeight, LiveWeight, fp8_linear  # noqa: E402
+from eae_jax.fp8.quant import E4M3, fp8_matmul, output_scale, quantize, scale_from_amax, weight_amax  # noqa: E402
 from profile_fp8_seam import profile  # noqa: E402
 
 SHAPES = {"tiny": (256, 128, 512), "1b": (8192, 2048, 5632), "7b": (8192, 4096, 11008)}
 
 
 def down_variants():
-    def direct(h, w8, sh, sw):
+    # Each takes (h, w8, sh, sw, w): the fp8 weight, its scale and the
+    # high-precision weight it came from (only the library's form names it).
+    def direct(h, w8, sh, sw, w):
         h8 = quantize(h, sh)
         return (fp8_matmul(h8, w8, jnp.bfloat16).astype(jnp.float32) * (sh * sw)).astype(jnp.bfloat16)
 
-    def direct_bf16mul(h, w8, sh, sw):
-        # The library's form (`eae_jax.fp8.quant.output_scale`).
-        return _linear_fwd_math(h, sh, w8, sw, jnp.bfloat16, True)[0]
+    def direct_bf16mul(h, w8, sh, sw, w):
+        # The library's form (`eae_jax.fp8.quant.output_scale`): the weight
+        # cast beforehand, as a train step's CastWeight.
+        return fp8_linear(h, CastWeight((w,), w8, sw, sw * 448.0), sh)
 
     def dq(dtype, barrier):
-        def f(h, w8, sh, sw):
+        def f(h, w8, sh, sw, w):
             h8 = quantize(h, sh)
             if barrier:
                 h8, sh_ = jax.lax.optimization_barrier((h8, sh))
@@ -74,24 +77,27 @@ def down_variants():
             "dq-bf16-barrier": dq(jnp.bfloat16, True), "dq-f32-barrier": dq(jnp.float32, True)}
 
 
-def legacy_fwd_math(x, xs, wq, ws, out_dtype, fast):
+def legacy_linear(x, blocks, ws, xs):
     """The seam's forward before `output_scale`: a float32 multiply after the GEMM."""
-    xq = quantize(x, xs, E4M3)
-    acc = fp8_matmul(xq, wq, out_dtype, precise=not fast)
-    return (acc.astype(jnp.float32) * (xs * ws)).astype(out_dtype), xq, xs
+    wq = quantize(blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks), ws)
+    acc = fp8_matmul(quantize(x, xs, E4M3), wq, x.dtype)
+    return (acc.astype(jnp.float32) * (xs * ws)).astype(x.dtype)
 
 
-def ffn_forward(math):
+def library_linear(x, blocks, ws, xs):
+    """The library's forward: `fp8_linear` of a delayed per-tensor weight."""
+    return fp8_linear(x, LiveWeight(blocks, ws), xs)
+
+
+def ffn_forward(linear):
     """The bare fp8 FFN forward (delayed per-tensor weight scales, static
-    activation scales) through a given linear forward."""
+    activation scales) through ``linear(x, blocks, weight_scale, x_scale)``."""
     def f(p, x, xs, hs, wsc):
-        wq = quantize_weight_delayed((p["w_gate"], p["w_up"]), wsc[0])
-        a = math(x, xs, wq.q, wq.scale, x.dtype, True)[0]
+        a = linear(x, (p["w_gate"], p["w_up"]), wsc[0], xs)
         f_ = a.shape[1] // 2
         g, u = a[:, :f_], a[:, f_:]
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
-        wd = quantize_weight_delayed((p["w_down"],), wsc[1])
-        return math(h, hs, wd.q, wd.scale, x.dtype, True)[0]
+        return linear(h, (p["w_down"],), wsc[1], hs)
     return f
 
 
@@ -209,8 +215,8 @@ def main(argv=None) -> int:
         print(f"{'variant':<18} {'fp8 GEMMs':>9} {'busy us':>8} {'wall ms':>8} {'max err/max':>12}  top kernels")
         for vname, fn in (down_variants().items() if "down" in sections else []):
             try:
-                rec = profile(f"down-{name}-{vname}", fn, (h, w8, sh, sw), args.iters, args.out)
-                y = jax.jit(fn)(h, w8, sh, sw)
+                rec = profile(f"down-{name}-{vname}", fn, (h, w8, sh, sw, w), args.iters, args.out)
+                y = jax.jit(fn)(h, w8, sh, sw, w)
                 # direct-bf16mul quantizes with the adjusted scale of `output_scale`.
                 ex = exact_lib if vname == "direct-bf16mul" else exact
                 err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ex))) / norm
@@ -233,8 +239,8 @@ def main(argv=None) -> int:
         ref = swiglu(pb, x).astype(jnp.float32)
         print(f"\n== FFN forward {t}x{d}x{f} (delayed per-tensor weight scales, static activation scales) ==")
         print(f"{'variant':<10} {'fp8 GEMMs':>9} {'busy us':>8} {'wall ms':>8} {'cos vs bf16':>11}  top kernels")
-        ffns = [("bf16", lambda p, x_, *_: swiglu(p, x_)), ("legacy", ffn_forward(legacy_fwd_math)),
-                ("library", ffn_forward(_linear_fwd_math))]
+        ffns = [("bf16", lambda p, x_, *_: swiglu(p, x_)), ("legacy", ffn_forward(legacy_linear)),
+                ("library", ffn_forward(library_linear))]
         for vname, fn in (ffns if "ffn" in sections else []):
             rec = profile(f"ffn-{name}-{vname}", fn, (pb, x, xs, hs, wsc), args.iters, args.out)
             y = jax.jit(fn)(pb, x, xs, hs, wsc).astype(jnp.float32)

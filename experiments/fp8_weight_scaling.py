@@ -6,8 +6,10 @@ Loads the stories260K llama2.c checkpoint (``../shared/models/stories260K.bin``
 or ``--model``; exits 2 with a message when it is absent), generates a
 greedy continuation from BOS (real text-like tokens), embeds it, and binds
 the qkv, o and FFN fp8 seams of every layer (`eae_jax.fp8.bind_block`, the
-gate off so both records are complete) once with ``weight_scaling='channel'``
-and once with ``'tensor'``. Each layer is calibrated on what the
+gate off so both records are complete) once with per-channel weight scales
+(``weight='channel'``) and once with per-tensor ones (``'tensor'`` in the
+JSON: ``weight='delayed'``, whose scales start from each weight's own amax,
+``amax / 448``). Each layer is calibrated on what the
 high-precision stack feeds it. Prints, per seam, the worst cosine against
 the high-precision seam at the block boundary (residual included: what the
 parity gate checks) and on the bare seam output, and the spread of the
@@ -75,8 +77,8 @@ def main(argv=None) -> int:
           f"calibration: {tokens.shape[1]} greedy tokens from BOS")
 
     results = {"model": os.path.basename(args.model), "tokens": int(tokens.shape[1]), "seams": {}}
-    for scaling in ("channel", "tensor"):
-        seams = fp8.block_seams(config=fp8.SeamConfig(weight_scaling=scaling))
+    for scaling, weight in (("channel", "channel"), ("tensor", "delayed")):
+        seams = fp8.block_seams(weight=weight)
         bound = fp8.bind_block(cfg.block, params["blocks"], [x0], seams, gate_cos=0.0)
         for name, cert in bound.certification.items():
             results["seams"].setdefault(name, {})[scaling] = {

@@ -1,7 +1,7 @@
 """Where the time of the FFN seam goes: a per-kernel GPU profile, bf16 vs fp8 vs Flax.
 
     python experiments/profile_fp8_seam.py [--shape 8192,2048,5632] [--iters 10] [--out DIR]
-    python experiments/profile_fp8_seam.py --step medium [--guards seam,block,off]
+    python experiments/profile_fp8_seam.py --step medium [--guards block,step,off]
 
 ``--step CONFIG`` profiles a whole reconstruct train step instead (the
 configs of ``bench_fp8.py --e2e``, plus ``tiny``): bf16 and the fp8 block
@@ -22,11 +22,10 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
 * ``bf16``: `eae_jax.blocks.swiglu`.
 * ``raw-current`` / ``raw-delayed``: the bare FFN through `eae_jax.fp8.fp8_linear`
   (no seam, no checks) with current / delayed scaling of the output
-  gradients (delayed scales from one observed backward, 1 binade margin).
-* ``raw-tensorw`` / ``raw-tensorw-delayed``: the same with per-tensor
-  weight scales (``weight_scaling='tensor'``).
+  gradients (delayed scales from one observed backward, 1 binade margin;
+  the delayed variants observe the gradient amax, as a train step does).
 * ``raw-delayedw-delayed``: per-tensor weight scales from an earlier
-  observation (``weight_scaling='delayed'``) and delayed gradient scales.
+  observation (`eae_jax.fp8.LiveWeight` with a scale) and delayed gradient scales.
 * ``raw-castw-delayed``: the same with the weights cast to fp8 beforehand
   (`eae_jax.fp8.cast_weights`, once per train step): no weight quantization
   in the call.
@@ -38,15 +37,10 @@ Variants (forward ``fwd`` and forward+backward ``fb`` of each):
   GEMMs instead of one over their fp8 concatenation.
 * ``eae``: `eae_jax.fp8` FFN seam, static scales, guards on.
 * ``eae-unguarded``: the same with ``check_values=False``.
-* ``eae-tensorw`` / ``eae-tensorw-unguarded``: both with per-tensor weight
-  scales.
 * ``eae-delayedw`` / ``eae-delayedw-unguarded``: both with delayed
   per-tensor weight scales.
 * ``eae-castw-unguarded``: the unguarded seam with delayed weight scales
   and its weights cast beforehand.
-* ``eae-castw-unguarded-wholedw``: trial, the same with the backward's
-  earlier form: one wgrad GEMM over gate|up, then two slices copying the
-  result into the blocks' gradients.
 * ``eae-castw-guarded``: the same with guards on, its forward as
   `eae_jax.fp8.apply` runs it (the checks decide a cond, so their
   statistics stay in the forward).
@@ -77,7 +71,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eae_jax import fp8  # noqa: E402
+from eae_jax import fp8, observe  # noqa: E402
 from eae_jax.blocks import init_swiglu, rms_norm, swiglu  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -157,34 +151,6 @@ def print_profile(rec: Dict[str, Any], top: int) -> None:
     sys.stdout.flush()
 
 
-def whole_dw_backward(fn: Callable) -> Callable:
-    """Trial: ``fn`` traced with the cast-weight backward's earlier form, one
-    wgrad GEMM over the concatenated gate|up blocks whose ``(2F, K)`` result
-    two slices then copy into the blocks' gradients (the library now runs one
-    GEMM per block). Swaps `quant._linear_live_bwd`, which the cast-weight
-    rule calls by name, while ``fn`` is traced only."""
-    import numpy as np
-
-    from eae_jax.fp8 import quant
-
-    def whole(fast, res, g):
-        xq, xs, ws, gs, xd, wq, (wsc, wmax) = res
-        dx, (dw,), gmax = quant._linear_bwd_math(g, xq, xs, (jnp.concatenate(ws, axis=0),), xd.dtype, ws[0].dtype,
-                                                 fast[1], quant._grad_scale_arg(gs, fast[2]), w_tensor=wq)
-        dws = tuple(jnp.split(dw, np.cumsum([w.shape[0] for w in ws])[:-1].tolist(), axis=0))
-        w_obs = jnp.zeros_like(wsc) if wmax is None else quant._observed(wsc, wmax)
-        return dx, dws, jnp.zeros_like(xs), quant._observed(gs, gmax), w_obs
-
-    def traced(*args):
-        library = quant._linear_live_bwd
-        quant._linear_live_bwd = whole
-        try:
-            return fn(*args)
-        finally:
-            quant._linear_live_bwd = library
-    return traced
-
-
 def variants(m: int, d: int, f: int, only: frozenset = frozenset()) -> List[tuple]:
     """The FFN variants at tokens ``m``, dim ``d``, ffn ``f``; the seams are
     bound only for the names in ``only`` (all when empty): binding is the
@@ -208,116 +174,84 @@ def variants(m: int, d: int, f: int, only: frozenset = frozenset()) -> List[tupl
         return fb
 
     out = [("bf16", swiglu, fb_of(swiglu), pb)]
-    # The bare fp8 FFN through fp8_linear, with current and with delayed
-    # scaling of the output gradients (scales from one observation).
+    # The bare fp8 FFN through fp8_linear; its weight sources and the
+    # observers (a train step's gradient / weight amax) ride in the params.
     xs = fp8.scale_from_amax(jnp.max(jnp.abs(x.astype(jnp.float32))))
     hs = fp8.seams.amax_points(fp8.ffn_seam(), pb, x)[1] / 448.0
+    obs0 = jax.tree_util.tree_map(lambda *a: jnp.stack(a), fp8.linear_observer(), fp8.linear_observer())
+    wsc0 = fp8.weight_scales_of(fp8.ffn_seam(), pb)
+    frozen = (fp8.quantize_weight((pb["w_gate"], pb["w_up"])), fp8.quantize_weight(pb["w_down"]))
 
-    def raw_ffn(p, x_, gscales, delayed=True, weight_scaling="channel"):
-        # Delayed weight scales ride in the params ("wsc"), so forward+backward
-        # differentiates them too: the weight-amax observation a train step
-        # makes is in the profile.
-        d = gscales is not None and delayed
-        wkw = [{"weight_scale": p["wsc"][i]} if weight_scaling == "delayed" else {} for i in range(2)]
-        a = fp8.fp8_linear(x_, (p["w_gate"], p["w_up"]), xs, grad_scale=None if gscales is None else gscales[0],
-                           delayed_grad=d, weight_scaling=weight_scaling, **wkw[0])
+    def raw_ffn(p, x_, gscales, weight="channel", stats=False):
+        def w(i, blocks):
+            if weight == "frozen":
+                return frozen[i]
+            if weight == "cast":
+                return fp8.CastWeight(blocks, p["cq"][i], p["wsc"][i], p["ca"][i])
+            return fp8.LiveWeight(blocks, p["wsc"][i] if weight == "delayed" else None)
+
+        def kw(i):
+            ob = jax.tree_util.tree_map(lambda a: a[i], p["obs"]) if "obs" in p else None
+            return {"grad_scale": None if gscales is None else gscales[i], "observer": ob}
+
+        a = fp8.fp8_linear(x_, w(0, (p["w_gate"], p["w_up"])), xs, **kw(0))
         g, u = a[:, :f], a[:, f:]
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
-        return fp8.fp8_linear(h, p["w_down"], hs, grad_scale=None if gscales is None else gscales[1], delayed_grad=d,
-                              weight_scaling=weight_scaling, **wkw[1])
+        y = fp8.fp8_linear(h, w(1, (p["w_down"],)), hs, **kw(1))
+        # stats: plus the amax / saturation statistics a seam call takes for
+        # its ledger and checks (their cost when XLA does not fuse them)
+        return (y, fp8.state.value_stats(x_, xs), fp8.state.value_stats(h, hs)) if stats else y
 
-    def raw_split(p, x_, gscales, delayed=True):
-        # gate and up as two GEMMs: no fp8 concatenation of their weights in
-        # the forward, no transposed concatenation or gradient split in the
-        # backward; XLA shares the one quantization of x between them.
-        d = gscales is not None and delayed
-        kw = [{} if gscales is None else {"grad_scale": gscales[i], "delayed_grad": d} for i in range(2)]
+    def raw_split(p, x_, gscales):
+        # gate and up as two GEMMs sharing one quantization of x
+        kw = [{"grad_scale": None if gscales is None else gscales[i]} for i in range(2)]
         g = fp8.fp8_linear(x_, p["w_gate"], xs, **kw[0])
         u = fp8.fp8_linear(x_, p["w_up"], xs, **kw[0])
         h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
         return fp8.fp8_linear(h, p["w_down"], hs, **kw[1])
 
-    observed = jax.grad(lambda s_: jnp.sum(raw_ffn(pb, x, s_, False).astype(jnp.float32) * ct.astype(jnp.float32)))(
-        jnp.ones((2,), jnp.float32))
+    seen = jax.grad(lambda p_: jnp.sum(raw_ffn(p_, x, None).astype(jnp.float32) * ct.astype(jnp.float32)))(
+        {**pb, "obs": obs0})["obs"]
+    observed = observe.receive(obs0, seen)[0]["grad"]
     gscales = jnp.where(observed > 0, observed * 2.0 / 57344.0, 1.0)
-    out.append(("raw-current", lambda p, x_: raw_ffn(p, x_, None), fb_of(lambda p, x_: raw_ffn(p, x_, None)), pb))
-    out.append(("raw-delayed", lambda p, x_: raw_ffn(p, x_, gscales), fb_of(lambda p, x_: raw_ffn(p, x_, gscales)),
-                pb))
-    # Per-tensor weight scales (weight_scaling='tensor').
-    for label, gsc in (("raw-tensorw", None), ("raw-tensorw-delayed", gscales)):
-        fn = (lambda g_: lambda p, x_: raw_ffn(p, x_, g_, weight_scaling="tensor"))(gsc)
-        out.append((label, fn, fb_of(fn), pb))
-    # Delayed per-tensor weight scales (weight_scaling='delayed'), with
-    # delayed gradient scales: no reduction ahead of any quantization.
-    wsc0 = fp8.weight_scales_of(fp8.ffn_seam(), pb)
-    fn = lambda p, x_: raw_ffn(p, x_, gscales, weight_scaling="delayed")  # noqa: E731
-    out.append(("raw-delayedw-delayed", fn, fb_of(fn), {**pb, "wsc": wsc0}))
-    # The same forward plus the statistics a seam call takes for its ledger
-    # and checks (amax and saturated fraction at both quantization points):
-    # what they cost when XLA does not fuse them into the quantizing passes.
-    def raw_stats(p, x_):
-        wkw = [{"weight_scale": p["wsc"][i]} for i in range(2)]
-        a = fp8.fp8_linear(x_, (p["w_gate"], p["w_up"]), xs, weight_scaling="delayed", **wkw[0])
-        g, u = a[:, :f], a[:, f:]
-        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
-        y = fp8.fp8_linear(h, p["w_down"], hs, weight_scaling="delayed", **wkw[1])
-        return y, fp8.guards.value_stats(x_, xs, 448.0), fp8.guards.value_stats(h, hs, 448.0)
-
-    # The same with the weights cast to fp8 beforehand (fp8.cast_weights:
-    # once per train step): the forward quantizes no weight.
-    casts = [fp8.quant.cast_weight(g, wsc0[i]) for i, g in enumerate(((pb["w_gate"], pb["w_up"]), (pb["w_down"],)))]
-
-    def raw_cast(p, x_):
-        a = fp8.fp8_linear(x_, (p["w_gate"], p["w_up"]), xs, grad_scale=gscales[0], delayed_grad=True,
-                           weight_scaling="delayed", weight_scale=p["wsc"][0], weight_cast=(p["cq"][0], p["ca"][0]))
-        g, u = a[:, :f], a[:, f:]
-        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
-        return fp8.fp8_linear(h, p["w_down"], hs, grad_scale=gscales[1], delayed_grad=True, weight_scaling="delayed",
-                              weight_scale=p["wsc"][1], weight_cast=(p["cq"][1], p["ca"][1]))
-
-    out.append(("raw-castw-delayed", raw_cast, fb_of(raw_cast),
-                {**pb, "wsc": wsc0, "cq": tuple(c[0] for c in casts), "ca": jnp.stack([c[1] for c in casts])}))
-    out.append(("raw-delayedw-stats", raw_stats, fb_of(lambda p, x_: raw_stats(p, x_)[0]),
-                {**pb, "wsc": wsc0}))
-    # Weights quantized once (inference): the forward without per-call
-    # weight quantization; its backward computes dx only.
-    frozen = (fp8.quant.quantize_weight_blocks((pb["w_gate"], pb["w_up"])), fp8.quantize_weight(pb["w_down"]))
-
-    def raw_frozen(p, x_):
-        a = fp8.fp8_linear(x_, frozen[0], xs)
-        g, u = a[:, :f], a[:, f:]
-        h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x_.dtype)
-        return fp8.fp8_linear(h, frozen[1], hs)
-
-    out.append(("raw-frozen", raw_frozen, fb_of(raw_frozen), pb))
-    out.append(("raw-split", lambda p, x_: raw_split(p, x_, None), fb_of(lambda p, x_: raw_split(p, x_, None)), pb))
-    out.append(("raw-split-delayed", lambda p, x_: raw_split(p, x_, gscales),
-                fb_of(lambda p, x_: raw_split(p, x_, gscales)), pb))
-    for label, guarded, wscale in (("eae", True, "channel"), ("eae-unguarded", False, "channel"),
-                                   ("eae-tensorw", True, "tensor"), ("eae-tensorw-unguarded", False, "tensor"),
+    observing = {**pb, "obs": obs0}
+    casts = [fp8.cast_weight(g, wsc0[i]) for i, g in enumerate(((pb["w_gate"], pb["w_up"]), (pb["w_down"],)))]
+    for label, fn, p in (
+            ("raw-current", lambda p, x_: raw_ffn(p, x_, None), pb),
+            ("raw-delayed", lambda p, x_: raw_ffn(p, x_, gscales), observing),
+            # delayed gradient and weight scales: no reduction ahead of any quantization
+            ("raw-delayedw-delayed", lambda p, x_: raw_ffn(p, x_, gscales, "delayed"), {**observing, "wsc": wsc0}),
+            # weights cast beforehand (fp8.cast_weights, once per train step): no weight quantization
+            ("raw-castw-delayed", lambda p, x_: raw_ffn(p, x_, gscales, "cast"),
+             {**observing, "wsc": wsc0, "cq": tuple(c.q for c in casts), "ca": jnp.stack([c.amax for c in casts])}),
+            # weights quantized once (inference); its backward computes dx only
+            ("raw-frozen", lambda p, x_: raw_ffn(p, x_, None, "frozen"), pb),
+            ("raw-split", lambda p, x_: raw_split(p, x_, None), pb),
+            ("raw-split-delayed", lambda p, x_: raw_split(p, x_, gscales), pb)):
+        out.append((label, fn, fb_of(fn), p))
+    stats = lambda p, x_: raw_ffn(p, x_, None, "delayed", stats=True)  # noqa: E731
+    out.append(("raw-delayedw-stats", stats, fb_of(lambda p, x_: stats(p, x_)[0]), {**pb, "wsc": wsc0}))
+    for label, guarded, weight in (("eae", True, "channel"), ("eae-unguarded", False, "channel"),
                                    ("eae-delayedw", True, "delayed"), ("eae-delayedw-unguarded", False, "delayed")):
         if not want(label):
             continue
-        seam = fp8.ffn_seam(check_values=guarded, weight_scaling=wscale)
-        bound = fp8.bind(seam, pb, cal, residuals=resid)
-        st = bound.state
+        seam = fp8.ffn_seam(check_values=guarded, weight=weight)
+        st = fp8.bind(seam, pb, cal, residuals=resid).state
         # seam and state bound now: the names are rebound by the next
         # iteration and by the cast-weight variants below
         fwd = (lambda sm, s: lambda p, x_: fp8.apply_with_ledger(sm, s, p, x_)[0])(seam, st)
         app = (lambda sm, s: lambda p, x_: fp8.apply(sm, s, p, x_))(seam, st)
         out.append((label, fwd, fb_of(app), pb))
     # The unguarded seam given weights cast beforehand (delayed scales).
-    if want("eae-castw-unguarded") or want("eae-castw-unguarded-wholedw"):
-        seam = fp8.ffn_seam(check_values=False, weight_scaling="delayed")
+    if want("eae-castw-unguarded"):
+        seam = fp8.ffn_seam(check_values=False, weight="delayed")
         st = fp8.cast_weights(seam, fp8.bind(seam, pb, cal, residuals=resid).state, pb)
         out.append(("eae-castw-unguarded", lambda p, x_: fp8.apply_with_ledger(seam, st, p, x_)[0],
                     fb_of(lambda p, x_: fp8.apply(seam, st, p, x_)), pb))
-        out.append(("eae-castw-unguarded-wholedw", lambda p, x_: fp8.apply_with_ledger(seam, st, p, x_)[0],
-                    whole_dw_backward(fb_of(lambda p, x_: fp8.apply(seam, st, p, x_))), pb))
     # Guarded (the default seam) with cast weights, its forward as
     # `fp8.apply` runs it: the checks decide a cond, so their statistics stay.
     if want("eae-castw-guarded"):
-        seam_g = fp8.ffn_seam(weight_scaling="delayed")
+        seam_g = fp8.ffn_seam(weight="delayed")
         st_g = fp8.cast_weights(seam_g, fp8.bind(seam_g, pb, cal, residuals=resid).state, pb)
         guarded = lambda p, x_: fp8.apply(seam_g, st_g, p, x_)  # noqa: E731
         out.append(("eae-castw-guarded", guarded, fb_of(guarded), pb))
@@ -381,7 +315,7 @@ def step_variants(c: Dict[str, int], guards: List[str]) -> List[tuple]:
         b = guard_variant(bound, guard)
         cast = extras == ["castw"]
         if extras:
-            b = b.with_weight_scaling("delayed", params)
+            b = b.with_recipe(params, weight="delayed")
         stack8 = eae_jax.reconstruct(b.block_fn())
 
         def step(p, s, x_, ct_, stack8=stack8, b=b, cast=cast):
@@ -407,7 +341,7 @@ def main(argv=None) -> Dict[str, Any]:
     ap.add_argument("--out", default=None)
     ap.add_argument("--step", default=None, choices=sorted(STEP_CONFIGS),
                     help="profile a reconstruct train step of this config instead of the FFN seam")
-    ap.add_argument("--guards", default="seam,block,off", help="--step: comma list of fp8 guard variants")
+    ap.add_argument("--guards", default="block,step,off", help="--step: comma list of fp8 guard variants")
     args = ap.parse_args(argv)
     m, d, f = (int(v) for v in args.shape.split(","))
     out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -415,9 +349,9 @@ def main(argv=None) -> Dict[str, Any]:
     only = set(filter(None, args.only.split(",")))
     if args.step:
         guards = [g for g in args.guards.split(",") if g]
-        bad = [g for g in guards if g.split("+")[0] not in ("seam", "block", "step", "off")]
+        bad = [g for g in guards if g.split("+")[0] not in ("block", "step", "off")]
         if bad:
-            ap.error(f"--guards: unknown {bad}; expected a comma list of seam, block, step, off")
+            ap.error(f"--guards: unknown {bad}; expected a comma list of block, step, off")
         results = {"step": args.step, "config": STEP_CONFIGS[args.step], "backend": jax.default_backend(),
                    "jax": jax.__version__, "runs": []}
         path = os.path.join(out_dir, f"profile_fp8_step_{args.step}.json")

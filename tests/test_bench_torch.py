@@ -78,6 +78,18 @@ def test_gqa_grouping_is_the_references_repeat_interleave():
     assert torch.all(o[:, :, :2] == 0) and torch.all(o[:, :, 2:].abs().sum((0, 1, 3)) > 0)
 
 
+def test_expanded_kv_heads_compute_what_enable_gqa_does():
+    # the compile-budget variants repeat the kv heads (torch's partitioner refuses grouped SDPA shapes)
+    blk = _blocks(torch.float32, depth=1)[0]
+    x, _ = _inputs()
+    with torch.no_grad():
+        grouped = blk(x)
+        blk.attn.expand_kv = True
+        expanded = blk(x)
+    assert blk.attn.num_kv_heads < blk.attn.num_heads
+    assert rel_err(expanded.double(), grouped.double()) < 1e-6
+
+
 def test_rope_tables_match_the_seed_tables_rounded_once():
     from eae_runtime.contrib import RotaryPositionalEmbedding
 

@@ -83,7 +83,7 @@ def test_readme_is_short():
 
 def test_readme_has_the_two_set_up_commands():
     text = open(README).read()
-    assert "pip install -e . && eae-jax train" in text
+    assert 'pip install -e ".[plot,tb]" && eae-jax train' in text
     assert f'pip install -e ".[torch,dev]" && {TEST_COMMAND}' in text
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert 'pip install -q -e ".[torch,dev]"' in ci and TEST_COMMAND in ci

@@ -1,21 +1,16 @@
 """experiments/bench_fp8.py --smoke runs end to end on CPU (so the one GPU call
 works the first time) and its results say what they should."""
 
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_experiment
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_fp8", os.path.join(ROOT, "experiments", "bench_fp8.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("bench_fp8")
 
 
 @pytest.mark.slow
@@ -23,10 +18,9 @@ def _load():
 def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     # Every section, FFN variants of each kind (guards on / off, current /
-    # delayed gradient scales, per-channel / per-tensor / delayed weight
-    # scales, per-row activation scales); the cast-weight variants have
-    # their own test below.
-    _load().main(["--smoke", "--ffn-variants", "static,static-u-d,tensorw-d,delayedw-u-d,row"])
+    # delayed gradient scales, per-channel / delayed weight scales, per-row
+    # activation scales); the cast-weight variants have their own test below.
+    _load().main(["--smoke", "--ffn-variants", "static,static-u-d,delayedw-d,delayedw-u-d,row"])
     res = json.loads((tmp_path / "bench_fp8_smoke.json").read_text())
     assert set(res) >= {"env", "ffn", "e2e", "train"}
     for section in ("ffn", "e2e", "train"):
@@ -43,19 +37,21 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
         assert ours[key]["copies"] == 2 and ours[key]["per_call_pipelined_ms"] > 0, key
         assert ours[key]["lowered_fp8_dots"] == 2 * ours[key[6:]]["lowered_fp8_dots"], key
     assert ours["graph_fwd_speedup"] > 0 and variants["bf16 (eae_jax swiglu)"]["graph_fwd_speedup"] == 1.0
-    for name in ("eae fp8 static delayed grads tensor-w", "eae fp8 static unguarded delayed grads delayed-w",
+    for name in ("eae fp8 static delayed grads delayed-w", "eae fp8 static unguarded delayed grads delayed-w",
                  "eae fp8 static unguarded delayed grads", "eae fp8 row"):
         kind = variants[name]  # every kind: same GEMM count, same accuracy class
         assert kind["fwd"]["lowered_fp8_dots"] == 2 and kind["fb"]["lowered_fp8_dots"] == 7, name
         assert 0.99 < kind["cos_bare"] < 1.0 and kind["cos_boundary"] > 0.999, name
     (e2e,) = res["e2e"]
     assert "error" not in e2e, e2e
-    assert e2e["gate_worst_cos"] >= 0.999 and set(e2e["variants"]) == {"seam", "block", "off"}
+    assert e2e["gate_worst_cos"] >= 0.999 and set(e2e["variants"]) == {"block", "step", "off"}
     for g, v in e2e["variants"].items():
         assert v["calls_exact"] and v["fallbacks"] == 0 and v["fp8_fraction"] == 1.0, g
         assert v["fp8"]["lowered_fp8_dots"] > 0 and v["fp8"]["median_ms"] > 0
     conds = {g: v["fp8"]["hlo"]["conditionals"] for g, v in e2e["variants"].items()}
-    assert conds == {"seam": 8, "block": 2, "off": 0}  # see test_block_fallback_takes_two_conditionals_per_layer
+    # per layer 2 with 'block' (test_block_fallback_takes_two_conditionals_per_layer); 'step' has the step's
+    # one decision (keep or drop the update), none in the blocks
+    assert conds == {"block": 2, "step": 1, "off": 0}
     train = res["train"]
     assert train["within_2pct"], train
     assert train["fp8"]["ledger"]["fp8_calls"] > 0.9 * train["fp8"]["ledger"]["calls"]
@@ -63,13 +59,13 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
 
 
 def test_e2e_weight_scaling_variants(tmp_path, monkeypatch):
-    # The '+tensorw' / '+delayedw' steps run, count every call, never clip,
+    # The '+delayedw' / '+castw' steps run, count every call, never clip,
     # and delayed weight scales follow the weights the steps train.
     monkeypatch.setenv("OUT", str(tmp_path))
-    res = _load().main(["--smoke", "--e2e", "--guards", "off,step+delayed+delayedw,step+delayed+castw,off+tensorw",
+    res = _load().main(["--smoke", "--e2e", "--guards", "off,step+delayed+delayedw,step+delayed+castw,block+delayedw",
                         "--warmup", "0", "--iters", "1"])
     (e2e,) = res["e2e"]
-    assert set(e2e["variants"]) == {"off", "step+delayed+delayedw", "step+delayed+castw", "off+tensorw"}
+    assert set(e2e["variants"]) == {"off", "step+delayed+delayedw", "step+delayed+castw", "block+delayedw"}
     for g, v in e2e["variants"].items():
         assert v["calls_exact"] and v["fallbacks"] == 0 and v["fp8_fraction"] == 1.0, g
         assert v["fp8"]["lowered_fp8_dots"] > 0 and v["weight_clipped"] == 0 and v["grad_clipped"] == 0, g
@@ -99,48 +95,12 @@ def test_ffn_cast_weight_variant_matches_delayed_weights(tmp_path, monkeypatch):
 
 
 def test_step_profile_runs_every_guard_variant(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "profile_fp8_seam", os.path.join(ROOT, "experiments", "profile_fp8_seam.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    res = mod.main(["--step", "tiny", "--iters", "2", "--out", str(tmp_path)])
+    res = load_experiment("profile_fp8_seam").main(["--step", "tiny", "--iters", "2", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "profile_fp8_step_tiny.json").read_text())
-    assert [r["variant"] for r in saved["runs"]] == ["step-bf16", "step-fp8-seam", "step-fp8-block", "step-fp8-off"]
+    assert [r["variant"] for r in saved["runs"]] == ["step-bf16", "step-fp8-block", "step-fp8-step", "step-fp8-off"]
     conds = {r["variant"]: r["conditionals"] for r in res["runs"]}
-    assert conds == {"step-bf16": 0, "step-fp8-seam": 8, "step-fp8-block": 2, "step-fp8-off": 0}
+    assert conds == {"step-bf16": 0, "step-fp8-block": 2, "step-fp8-step": 0, "step-fp8-off": 0}
     assert all(r["median_ms"] > 0 and r["kernels"] for r in res["runs"])
-
-
-def test_per_block_wgrad_equals_the_concatenated_wgrad_trial():
-    """The library's one wgrad GEMM per gate/up block computes what the
-    profile's trial of the earlier form (one GEMM over the concatenated
-    blocks, then slices) computes: the same products of the same fp8 codes."""
-    import jax
-    import jax.numpy as jnp
-
-    from eae_jax import fp8
-    from eae_jax.blocks import init_swiglu
-
-    spec = importlib.util.spec_from_file_location(
-        "profile_fp8_seam", os.path.join(ROOT, "experiments", "profile_fp8_seam.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
-    p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), init_swiglu(k1, 64, 96))
-    x = jax.random.normal(k2, (128, 64), jnp.float32).astype(jnp.bfloat16)
-    ct = jax.random.normal(k3, (128, 64), jnp.float32)
-    seam = fp8.ffn_seam(check_values=False, weight_scaling="delayed")
-    st = fp8.cast_weights(seam, fp8.bind(seam, p, [x], residuals=[x]).state, p)
-
-    def fb(p_, x_):
-        return jax.grad(lambda a, b: jnp.sum(fp8.apply(seam, st, a, b).astype(jnp.float32) * ct),
-                        argnums=(0, 1))(p_, x_)
-    ours, trial = jax.jit(fb)(p, x), jax.jit(mod.whole_dw_backward(fb))(p, x)
-    for name in ("w_gate", "w_up", "w_down"):
-        assert ours[0][name].shape == p[name].shape and float(jnp.abs(ours[0][name]).max()) > 0, name
-        np.testing.assert_allclose(np.asarray(ours[0][name], np.float32), np.asarray(trial[0][name], np.float32),
-                                   rtol=1e-2, atol=1e-6, err_msg=name)
-    np.testing.assert_array_equal(np.asarray(ours[1], np.float32), np.asarray(trial[1], np.float32))
 
 
 @pytest.mark.slow
@@ -167,10 +127,7 @@ def test_fusion_probe_runs_and_its_variants_agree(tmp_path):
     down-GEMM variant computes the fp8 product of its own quantization, the
     library's FFN forward matches the pre-`output_scale` one, and the Pallas
     SwiGLU kernel writes the same fp8 codes as XLA."""
-    spec = importlib.util.spec_from_file_location(
-        "fp8_fusion_probe", os.path.join(ROOT, "experiments", "fp8_fusion_probe.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_experiment("fp8_fusion_probe")
     assert mod.main(["--shapes", "tiny", "--iters", "1", "--tiles", "32x512x4", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "fp8_fusion_probe.json").read_text())
     down = {r["variant"]: r for r in res["down"]}
@@ -215,10 +172,7 @@ def test_sustained_probe_timeline_stats():
     """fp8_sustained_probe.timeline_stats: kernel time sums every event,
     idle time is the traced span minus the union of the events' intervals
     (two streams overlapping count once), both per call."""
-    spec = importlib.util.spec_from_file_location(
-        "fp8_sustained_probe", os.path.join(ROOT, "experiments", "fp8_sustained_probe.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_experiment("fp8_sustained_probe")
     ev = [{"name": "gemm", "ts": 0.0, "dur": 10.0, "tid": 1},
           {"name": "copy", "ts": 5.0, "dur": 10.0, "tid": 2},  # overlaps gemm: [0, 15) covered
           {"name": "gemm", "ts": 20.0, "dur": 6.0, "tid": 1},  # 5 idle before it

@@ -1,29 +1,15 @@
 """experiments/fp8_weight_scaling.py on the real stories260K weights: both
 weight scalings bind every seam of every layer and land near the gate."""
 
-import importlib.util
 import json
-import os
 
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STORIES = os.path.join(ROOT, "..", "shared", "models", "stories260K.bin")
+from conftest import STORIES, load_experiment, needs_stories
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("fp8_ws", os.path.join(ROOT, "experiments", "fp8_weight_scaling.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.mark.skipif(not os.path.isfile(STORIES),
-                    reason=f"stories260K.bin not found at {STORIES} (see /work/shared/models/README.md)")
+@needs_stories
 def test_weight_scaling_study_on_stories260k(tmp_path):
-    mod = _load()
     out = tmp_path / "ws.json"
-    assert mod.main(["--model", STORIES, "--tokens", "64", "--out", str(out)]) == 0
+    assert load_experiment("fp8_weight_scaling").main(["--model", STORIES, "--tokens", "64", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["tokens"] == 64 and set(res["seams"]) == {"qkv", "o", "ffn"}
     for name, r in res["seams"].items():
@@ -36,6 +22,6 @@ def test_weight_scaling_study_on_stories260k(tmp_path):
 
 
 def test_weight_scaling_study_without_the_model_says_so(tmp_path, capsys):
-    mod = _load()
+    mod = load_experiment("fp8_weight_scaling")
     assert mod.main(["--model", str(tmp_path / "missing.bin"), "--out", str(tmp_path / "x.json")]) == 2
     assert "stories260K checkpoint not found" in capsys.readouterr().err

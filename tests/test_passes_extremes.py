@@ -37,17 +37,17 @@ def test_int8_fake_quant_keeps_tiny_adjoints_finite(amax):
 @pytest.mark.parametrize("fmt, scaling", [("e4m3", "current"), ("e5m2", "current"), ("e4m3", "delayed")])
 @pytest.mark.parametrize("amax", [1e-36, 3e-37, 4e-36])
 def test_fp8_quant_keeps_tiny_adjoints_finite(fmt, scaling, amax):
-    # fp8_max/amax overflowed to an infinite scale (or one whose inverse is
-    # subnormal, flushed to 0): NaN or zero adjoints. The scale is now capped
-    # at 2**126; reference: numpy's fp8 cast (ml_dtypes) with that scale.
+    # fp8_max/amax overflowed to an infinite inverse scale (or a scale that is
+    # subnormal, flushed to 0): NaN or zero adjoints. The scale is now kept
+    # at or above 2**-126; reference: numpy's fp8 cast (ml_dtypes) with it.
     import ml_dtypes
 
     g = jnp.array([amax, -amax / 3, amax / 7, 0.0], jnp.float32)
     out, state = _apply(P.fp8_quant(fmt, scaling), g, calls=2)
-    scale = 2.0 ** 126
+    scale = 2.0 ** -126
     fp8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
-    ref = np.asarray(g, np.float64) * scale
-    ref = ref.astype(np.float32).astype(fp8).astype(np.float64) * (1.0 / scale)
+    ref = np.asarray(g, np.float64) * (1.0 / scale)
+    ref = ref.astype(np.float32).astype(fp8).astype(np.float64) * scale
     assert bool(jnp.all(jnp.isfinite(out))) and float(state.scale) == scale
     np.testing.assert_array_equal(np.asarray(out, np.float64), ref)
     assert abs(float(out[0]) - amax) <= amax / 4

@@ -97,7 +97,7 @@ def test_checkpoint_is_atomic_and_errors_name_the_problem(tmp_path):
 def test_cli_train_subcommand(tmp_path, capsys):
     from eae_jax.cli import main
 
-    code = main(["train", "--steps", "3", "--out", str(tmp_path), "--log-every", "1", "--batch", "4",
+    code = main(["train", "--synthetic", "--steps", "3", "--out", str(tmp_path), "--log-every", "1", "--batch", "4",
                  "--passes", "int8,clip=0.001", "--boundary-dtype", "bf16"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -126,12 +126,12 @@ def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path):
     assert (TrainConfig().fp8_fallback, TrainConfig().fp8_grad_scaling) == ("step", "delayed")
     assert f8["fp8"]["grad_scaling"] == "delayed" and f8["fp8"]["grad_clipped"] == 0
     assert f8["fp8"]["weight_scaling"] == ["delayed"]
-    # Falling back per seam call with current gradient scaling and per-tensor
-    # weight scales counts the same calls and trains like it.
-    cur = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="seam", fp8_grad_scaling="current",
-                            fp8_weight_scaling="tensor", out=str(tmp_path / "fp8c"), **base), log_fn=quiet)
+    # Falling back per block call with current gradient scaling counts the
+    # same calls and trains like it.
+    cur = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="block", fp8_grad_scaling="current",
+                            out=str(tmp_path / "fp8c"), **base), log_fn=quiet)
     assert cur["fp8"]["calls"] == f8["fp8"]["calls"] and cur["fp8"]["grad_scaling"] == "current"
-    assert cur["fp8"]["weight_scaling"] == ["tensor"]
+    assert cur["fp8"]["weight_scaling"] == ["delayed"]
     assert cur["final_loss"] != f8["final_loss"]  # the gradient scales really differ
     assert abs(cur["final_loss"] - f8["final_loss"]) / f8["final_loss"] < 0.02
     # Delayed gradient scaling with the block guard and per-channel weight
@@ -163,11 +163,11 @@ def test_bad_config_errors():
         TrainConfig(dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="unknown fp8_scaling 'dynamic'"):
         TrainConfig(dtype="fp8_e4m3", fp8_scaling="dynamic")
-    with pytest.raises(ValueError, match="unknown fp8_fallback 'layer'; valid: seam, block, step"):
+    with pytest.raises(ValueError, match="unknown fp8_fallback 'layer'; valid: block, step"):
         TrainConfig(dtype="fp8_e4m3", fp8_fallback="layer")
     with pytest.raises(ValueError, match="unknown fp8_grad_scaling 'late'; valid: current, delayed"):
         TrainConfig(dtype="fp8_e4m3", fp8_grad_scaling="late")
-    with pytest.raises(ValueError, match="unknown fp8_weight_scaling 'row'; valid: channel, tensor, delayed"):
+    with pytest.raises(ValueError, match="unknown fp8_weight_scaling 'row'; valid: channel, delayed"):
         TrainConfig(dtype="fp8_e4m3", fp8_weight_scaling="row")
     with pytest.raises(ValueError, match="unknown pass 'int4'"):
         from eae_jax.train import parse_passes
@@ -226,9 +226,9 @@ def test_step_fallback_reruns_failed_steps_in_high_precision(tmp_path, monkeypat
                            **{**base, "batch": 8}), log_fn=quiet)
     assert mb["fp8"]["calls"] == 2 * calls and mb["fp8"]["fallbacks"] == 0
 
-    from eae_jax.fp8 import ledger as ledger_lib
+    from eae_jax.fp8 import state as fp8_state
 
-    monkeypatch.setattr(ledger_lib, "own_fallbacks", lambda inc: jnp.ones_like(inc.calls))
+    monkeypatch.setattr(fp8_state, "own_fallbacks", lambda seen: jnp.ones_like(seen["counts"]["calls"]))
     said = []
     forced = train(TrainConfig(dtype="fp8_e4m3", fp8_fallback="step", out=str(tmp_path / "forced"), **base),
                    log_fn=said.append)
@@ -346,7 +346,7 @@ def test_kill_between_checkpoints_resumes_with_one_record_per_step(tmp_path):
     # The redone steps reproduce the killed run's losses bit for bit (same data order and state).
     assert [r["loss"] for r in log[3:5]] == [r["loss"] for r in killed[3:5]]
     # tokens/s of the last record (3 steps since step 5) counts those 3 steps, not log_every
-    np.testing.assert_allclose(log[-1]["tokens_per_s"] * log[-1]["seconds"], 3 * 2 * 8, rtol=1e-6)
+    np.testing.assert_allclose(log[-1]["tokens_per_s"] * log[-1]["step_seconds"], 3 * 2 * 8, rtol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from eae_jax.cli import main
 from eae_jax.passes.spec import PASSES
 
-SMALL = ["--batch", "2", "--seq-len", "8", "--log-every", "1", "--checkpoint-every", "100"]
+SMALL = ["--synthetic", "--batch", "2", "--seq-len", "8", "--log-every", "1", "--checkpoint-every", "100", "--no-plot",
+         "--no-tensorboard"]
 
 
 def train_cli(capsys, out, *args):
@@ -141,6 +142,14 @@ _FLAGS = {
     "--fp8-fallback": st.sampled_from(["step", "block", "seam", "layer"]),
     "--data": st.sampled_from(["tokens.npy", "tokens.NPY", "missing.npy", "garbage.npy", "odd.bin", "dir"]),
     "--resume": st.none(), "--no-resume": st.none(), "--offload": st.none(),
+    # model shape, text, validation, reporting
+    "--dim": st.integers(-1, 70), "--heads": st.integers(-1, 5), "--kv-heads": st.integers(-1, 3),
+    "--depth": st.integers(-1, 2), "--vocab-size": st.integers(-1, 300),
+    "--rope-style": st.sampled_from(["half", "interleaved", "rotary"]), "--text": st.none(), "--synthetic": st.none(),
+    "--tokenizer": st.sampled_from(["bytes", "bpe:12", "bpe:x", "missing.json"]),
+    "--val-every": st.integers(-1, 3), "--val-batches": st.integers(-1, 2),
+    "--val-fraction": st.sampled_from(["0.05", "0", "0.6", "x"]), "--profile": st.sampled_from(["2:3", "1", "x", "5:4"]),
+    "--peak-tflops": st.sampled_from(["1", "0", "-1", "nan"]), "--quiet": st.none(), "--no-plot": st.none(),
 }
 
 

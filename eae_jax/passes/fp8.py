@@ -1,4 +1,9 @@
-"""`fp8_quant`: real float8 quantize-dequantize of the adjoint with a per-tensor scale."""
+"""`fp8_quant`: real float8 quantize-dequantize of the adjoint with a per-tensor scale.
+
+Scales follow `eae_jax.fp8.quant`'s convention (the one the fp8 seams use):
+``scale = amax * 2**margin / fp8_max``, quantized ``x * (1 / scale)``,
+dequantized ``q * scale``; formats come from `eae_jax.dtypes.FP8_FORMATS`.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +12,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eae_jax.passes._util import abs_max, require_float_spec, require_int, round_trip
+from eae_jax.dtypes import FP8_FORMATS
+from eae_jax.fp8.quant import dequantize, fp8_max, quantize, scale_from_amax
+from eae_jax.passes._util import abs_max, require_float_spec, require_int
 from eae_jax.passes.base import AdjointTransformation
 
-_FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 _SCALINGS = ("current", "delayed")
 
 
 class Fp8State(NamedTuple):
-    """State of `fp8_quant` at one boundary.
+    """``scale``: the dequantization scale the last call used (current) or the
+    next will (delayed); ``amax_history``: newest first (``(1,)`` when current).
 
-    Attributes:
-      scale: float32 scalar. With ``scaling='current'`` the scale the last
-        call used; with ``'delayed'`` the scale the *next* call will use
-        (computed from ``amax_history``); 0 before the first call.
-        Dequantized values are ``fp8 * (1 / scale)``.
-      amax_history: float32 ``(history_len,)`` with the newest ``max|g|`` at
-        index 0 (``(1,)`` for current scaling: the last amax).
+    >>> Fp8State(jnp.zeros(()), jnp.zeros((1,))).amax_history.shape
+    (1,)
     """
 
     scale: jax.Array
@@ -31,71 +33,37 @@ class Fp8State(NamedTuple):
 
 
 def fp8_format_max(format: str) -> float:
-    """Largest finite value of the fp8 format ``'e4m3'`` (448) or ``'e5m2'`` (57344)."""
-    if format not in _FORMATS:
-        raise ValueError(f"fp8 format must be one of {sorted(_FORMATS)}, got {format!r}")
-    return float(jnp.finfo(_FORMATS[format]).max)
+    """Largest finite value of the fp8 format ``'e4m3'`` (448) or ``'e5m2'`` (57344).
 
-
-#: Largest scale used: its inverse, the dequantization factor, is the smallest
-#: normal float32 (a larger scale's inverse would be subnormal, flushed to 0).
-_MAX_SCALE = 2.0 ** 126
-
-
-def _scale_from_amax(amax, fp8_max, margin, fallback):
-    """``min(fp8_max / amax / 2**margin, 2**126)``; ``fallback`` where amax is 0 or not finite."""
-    good = jnp.isfinite(amax) & (amax > 0)
-    safe = jnp.where(good, amax, jnp.ones_like(amax))
-    return jnp.where(good, jnp.minimum((fp8_max / safe) / (2.0 ** margin), _MAX_SCALE), fallback)
+    >>> fp8_format_max("e5m2")
+    57344.0
+    """
+    if format not in FP8_FORMATS:
+        raise ValueError(f"fp8 format must be one of {sorted(FP8_FORMATS)}, got {format!r}")
+    return fp8_max(format)
 
 
 def fp8_quant(format: str = "e4m3", scaling: str = "current", history_len: int = 16,
               margin: int = 0) -> AdjointTransformation:
-    """Quantize the adjoint to float8 and dequantize it (real fp8 rounding).
+    """Quantize the adjoint to float8 and dequantize it (real fp8 rounding, kept
+    from being folded away): ``cast_fp8(clip(g * (1 / scale)))`` times
+    ``scale``, clipped to 448 (``e4m3``) or 57344 (``e5m2``). ``'current'``
+    scaling takes ``scale = amax * 2**margin / fp8_max`` of this adjoint;
+    ``'delayed'`` (TransformerEngine style) takes the max of the previous
+    ``history_len`` amaxes (this one while none), then records this amax (0
+    if not finite). A 0 or non-finite amax gives scale 1; an empty adjoint
+    passes through and counts as all zeros.
 
-    In float32: ``q = cast_fp8(clip(g * scale, -fp8_max, fp8_max))``,
-    result ``float32(q) * (1 / scale)`` cast back to the adjoint's dtype, with
-    ``fp8_max`` 448 (``e4m3``, `jnp.float8_e4m3fn`) or 57344 (``e5m2``,
-    `jnp.float8_e5m2`). The clip saturates values a stale scale would push
-    out of range (e4m3fn has no inf and would give NaN). The cast rounds to
-    nearest even, including fp8 subnormals; XLA cannot fold the cast pair
-    away (see ``eae_jax.passes._util.round_trip``).
+    >>> p = fp8_quant("e4m3")
+    >>> g = jnp.array([448.0, 1.1])
+    >>> out, state = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None), None)
+    >>> out.tolist(), float(state.scale)
+    ([448.0, 1.125], 1.0)
 
-    Scaling:
-      ``'current'``: ``scale = fp8_max / amax / 2**margin`` from this
-      adjoint's ``amax = max|g|``.
-      ``'delayed'`` (Transformer-Engine style): the scale comes from the
-      maximum of the amaxes of the previous ``history_len`` calls at this
-      boundary (the amax history); then the current amax is pushed into the
-      history (rolled each call, newest at index 0; a non-finite amax is
-      recorded as 0, i.e. ignored) and the scale for the next call is stored.
-      While the history holds no positive amax (first call) the current amax
-      is used. A scale whose amax is 0 or non-finite falls back to 1.0.
-      Scales are capped at ``2**126`` so that ``1 / scale`` stays a normal
-      float32: a tiny adjoint (amax below about ``fp8_max * 2**-126``) would
-      otherwise get an infinite scale or a subnormal inverse (flushed to 0)
-      and come out NaN or zero.
-
-    An empty (size-0) adjoint is a legal adjoint: it is returned unchanged
-    and counts as an all-zero one (``amax = 0``: the scale falls back to
-    1.0 and a 0 is recorded in the history), as in every built-in pass.
-
-    Args:
-      format: ``'e4m3'`` or ``'e5m2'``.
-      scaling: ``'current'`` or ``'delayed'``.
-      history_len: length of the amax history (delayed scaling), >= 1.
-      margin: int >= 0; the scale is divided by ``2**margin`` to leave
-        headroom.
-
-    Returns:
-      An `AdjointTransformation` with `Fp8State`.
-
-    Raises:
-      ValueError: unknown format or scaling, bad ``history_len``/``margin``.
-      TypeError (at init): the adjoint spec is not a floating array spec.
+    Raises ValueError for an unknown format or scaling, a bad ``history_len``
+    or ``margin``; TypeError at init for a non-float adjoint.
     """
-    fp8_max = fp8_format_max(format)
-    fp8_dtype = _FORMATS[format]
+    fp8_format_max(format)  # validates the name
     if scaling not in _SCALINGS:
         raise ValueError(f"fp8_quant: scaling must be one of {list(_SCALINGS)}, got {scaling!r}")
     history_len = require_int("fp8_quant", "history_len", history_len, low=1)
@@ -108,28 +76,21 @@ def fp8_quant(format: str = "e4m3", scaling: str = "current", history_len: int =
         require_float_spec(name, spec)
         return Fp8State(jnp.zeros((), jnp.float32), jnp.zeros((hist,), jnp.float32))
 
-    def qdq(t, scale):
-        q = round_trip(jnp.clip(t * scale, -fp8_max, fp8_max), fp8_dtype, jnp.float32)
-        # Dequantize by multiplying with the inverse scale (as fp8 GEMMs take
-        # scale_inv); written out so no backend decides between q/s and q*(1/s).
-        return q * (1.0 / scale)
-
     def update(adjoint, state, ctx):
         del ctx
         t = adjoint.astype(jnp.float32)
         amax = abs_max(t)  # 0 for an empty adjoint
         if scaling == "current":
-            scale = _scale_from_amax(amax, fp8_max, margin, jnp.ones_like(amax))
+            scale = scale_from_amax(amax, format, margin)
             new_state = Fp8State(scale, amax[None])
         else:
             prev = jnp.max(state.amax_history)
-            # No informative amax recorded yet (first call, or only zero /
-            # non-finite adjoints so far): fall back to the current amax.
-            used = _scale_from_amax(jnp.where(prev > 0, prev, amax), fp8_max, margin, jnp.ones_like(amax))
-            recorded = jnp.where(jnp.isfinite(amax), amax, jnp.zeros_like(amax))
-            history = jnp.roll(state.amax_history, 1).at[0].set(recorded)
-            nxt = _scale_from_amax(jnp.max(history), fp8_max, margin, used)
-            scale, new_state = used, Fp8State(nxt, history)
-        return qdq(t, scale).astype(adjoint.dtype), new_state
+            scale = scale_from_amax(jnp.where(prev > 0, prev, amax), format, margin)
+            history = jnp.roll(state.amax_history, 1).at[0].set(jnp.where(jnp.isfinite(amax), amax, 0.0))
+            top = jnp.max(history)
+            new_state = Fp8State(jnp.where(top > 0, scale_from_amax(top, format, margin), scale), history)
+        # The barrier keeps XLA from folding the fp8 cast pair away (excess precision on GPU).
+        q = jax.lax.optimization_barrier(quantize(t, scale, format))
+        return dequantize(q, scale).astype(adjoint.dtype), new_state
 
     return AdjointTransformation(init, update, name)

@@ -37,7 +37,8 @@ class AtBoundary(NamedTuple):
             return None, state, zero, zero
         norm_in = norm_f32(g) if self.stats else jnp.zeros((), jnp.float32)
         b = jnp.asarray(boundary, jnp.int32)
-        g, state = apply_pass(self.passes, g, state, PassContext(b, b, self.step, self.num))
+        with jax.named_scope("passes"):
+            g, state = apply_pass(self.passes, g, state, PassContext(b, b, self.step, self.num))
         norm_out = norm_f32(g) if (self.stats and self.passes.name != "identity") else norm_in
         return g, state, norm_in, norm_out
 

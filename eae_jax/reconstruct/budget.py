@@ -22,8 +22,10 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
-from eae_jax.reconstruct.costs import Costs, Option, compiled_peak, default_loss, measure_costs, nbytes
+from eae_jax.reconstruct.costs import (Costs, Option, compiled_peak, default_loss, measure_costs, nbytes,
+                                       stack_output)
 from eae_jax.reconstruct.planner import BudgetError, Plan, make_plan, parse_budget
 
 
@@ -116,6 +118,32 @@ def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable]
     return dataclasses.replace(plan, compiled_peak=int(peak))
 
 
+def planned_for(stack, plans: dict, params, x, side=None) -> Plan:
+    """The plan of ``stack`` (built with a `MemoryBudget`) for inputs of these
+    shapes, made by `plan_memory` once per shapes and kept in ``plans``.
+
+    >>> import jax.numpy as jnp
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack, plans = reconstruct(lambda w, x: jnp.tanh(x @ w), memory_budget="1MiB"), {}
+    >>> planned_for(stack, plans, jnp.ones((4, 8, 8)), jnp.ones((2, 8))) is planned_for(
+    ...     stack, plans, jnp.ones((4, 8, 8)), jnp.zeros((2, 8)))
+    True
+    """
+    def spec(a):
+        a = jnp.asarray(a) if not hasattr(a, "shape") else a
+        return jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
+
+    p, xs, s = (jax.tree_util.tree_map(spec, t) for t in (params, x, side))
+    key = (jax.tree_util.tree_structure(p), tuple(jax.tree_util.tree_leaves(p)), xs,
+           jax.tree_util.tree_structure(s), tuple(jax.tree_util.tree_leaves(s)))
+    if key not in plans:
+        b = stack.budget
+        plans[key] = plan_memory(stack, p, xs, b.budget, s, loss=b.loss, loss_args=b.loss_args,
+                                 optimizer_bytes=b.optimizer_bytes, offload_optimizer=b.offload_optimizer,
+                                 options=b.options, timing=b.timing, costs=b.costs, mesh=b.mesh, verify=b.verify)
+    return plans[key]
+
+
 def step_peak(stack, plan: Plan, params, x, side=None, *, loss: Optional[Callable] = None, loss_args: Sequence = (),
               in_shardings: Optional[Callable] = None) -> int:
     """The compiled peak (`compiled_peak`) of ``stack``'s gradient step under
@@ -130,11 +158,12 @@ def step_peak(stack, plan: Plan, params, x, side=None, *, loss: Optional[Callabl
     """
     from eae_jax.reconstruct.stack import Reconstructed
 
-    planned = Reconstructed(stack.segments, stack.passes, plan.storages, stack.collect_stats, stack._single)
+    planned = Reconstructed(stack.segments, stack.passes, plan.storages, stack.collect_stats, stack._single,
+                            stack.block_state)
     loss = loss or default_loss
 
     def step(p, xx, s, args):
-        return jax.value_and_grad(lambda pp: loss(planned(pp, xx, side=s), *args))(p)
+        return jax.value_and_grad(lambda pp: loss(stack_output(planned, pp, xx, s), *args))(p)
 
     specs = jax.eval_shape(lambda *a: a, params, x, side, tuple(loss_args))
     jitted = jax.jit(step) if in_shardings is None else jax.jit(step, in_shardings=in_shardings(specs[0], specs[1]))
@@ -153,4 +182,4 @@ def _data_parallel(mesh):
     return shardings
 
 
-__all__ = ["BudgetError", "MemoryBudget", "Plan", "plan_memory", "step_peak"]
+__all__ = ["BudgetError", "MemoryBudget", "Plan", "plan_memory", "planned_for", "step_peak"]

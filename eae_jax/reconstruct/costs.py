@@ -294,6 +294,20 @@ def default_loss(out) -> jax.Array:
     return jnp.sum(out.astype(jnp.float32))
 
 
+def stack_output(stack, params, x, side=None) -> jax.Array:
+    """The stack's output ``xL``, what a planning loss is applied to (a stack
+    built with ``block_state=True`` also returns its blocks' new states: the
+    loss does not read them).
+
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack = reconstruct(lambda w, x: (x * w, w), block_state=True)
+    >>> stack_output(stack, jnp.full((2, 3), 2.0), jnp.ones(3))
+    Array([4., 4., 4.], dtype=float32)
+    """
+    out = stack(params, x, side=side)
+    return out[0] if stack.block_state else out
+
+
 class _Prober:
     """Compiles (and with ``profile`` times) the stack's gradient step at
     reduced depths, one storage per segment."""
@@ -316,11 +330,11 @@ class _Prober:
         from eae_jax.reconstruct.stack import Reconstructed
 
         probe = Reconstructed(self.stack.segments, self.stack.passes, list(storages), self.stack.collect_stats,
-                              self.stack._single)
+                              self.stack._single, self.stack.block_state)
         loss = self.loss
 
         def step(p, x, side, args):
-            return jax.value_and_grad(lambda pp: loss(probe(pp, x, side=side), *args))(p)
+            return jax.value_and_grad(lambda pp: loss(stack_output(probe, pp, x, side), *args))(p)
 
         p_spec = self.params_at(depths)
         jitted = jax.jit(step) if self.in_shardings is None else jax.jit(

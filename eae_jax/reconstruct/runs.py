@@ -111,28 +111,34 @@ class Runs(Storage):
         raise TypeError("Runs serves scanned segments only")
 
     def forward(self, layout, params, x, side):
+        """Each run's scan in depth order; a stateful segment's new states
+        come out of every run and are concatenated (`SegmentLayout.join`)."""
         bound, plan = self._bound(), self.slots
         bufs = grad_slots.empty_slots(plan, layout.depth) if plan is not None else None
-        kept, h, offset = [], x, 0
+        kept, states, h, offset = [], [], x, 0
         for (n, _), store in zip(self.runs, bound):
             sub = self._sub(layout, offset, n)
             idx = offset + jnp.arange(n, dtype=jnp.int32)
             if isinstance(store, GradSlots):
                 def body(carry, i, store=store):
                     hh, bb = carry
-                    y = layout.call(_row(params, i), hh, side)
-                    return (y, grad_slots.pack(plan, store.put(hh), bb, i)), None
+                    y, state = layout.split(layout.call(_row(params, i), hh, side))
+                    return (y, grad_slots.pack(plan, store.put(hh), bb, i)), state
 
-                (h, bufs), _ = jax.lax.scan(body, (h, bufs), idx)
+                (h, bufs), state = jax.lax.scan(body, (h, bufs), idx)
                 kept.append(None)
             else:
                 def body(hh, i, store=store, sub=sub):
-                    return store.save(sub, _row(params, i), hh, side)
+                    out, res = store.save(sub, _row(params, i), hh, side)
+                    y, state = layout.split(out)
+                    return y, (res, state)
 
-                h, res = jax.lax.scan(body, h, idx)
+                h, (res, state) = jax.lax.scan(body, h, idx)
                 kept.append(res)
+            states.append(state)
             offset += n
-        return h, (bufs, tuple(kept))
+        states = jax.tree_util.tree_map(lambda *ls: jnp.concatenate(ls), *states)
+        return layout.join(h, states), (bufs, tuple(kept))
 
     def backward(self, layout, params, residuals, g, states, at, side):
         """Runs last to first, each a reverse scan; the gradient buffers of

@@ -1,31 +1,18 @@
-"""Training configuration: model presets, pass specs, and the TrainConfig."""
+"""Training configuration: the TrainConfig (presets and shapes: `eae_jax.train.shapes`), pass specs."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from typing import Optional
 
 from eae_jax.blocks.transformer import BlockConfig
 from eae_jax.dtypes import DTypePolicy
-from eae_jax.fp8.block import FALLBACKS
-from eae_jax.fp8.quant import WEIGHT_SCALINGS
-from eae_jax.fp8.seams import GRAD_SCALINGS, SCALINGS
+from eae_jax.fp8 import ACTIVATION_SCALINGS, FALLBACKS, GRAD_SCALINGS, WEIGHT_SCALINGS
 from eae_jax.models.llama import LMConfig
-
-#: Model and batch presets. ``tiny`` trains in seconds on a laptop CPU.
-PRESETS = {
-    "tiny": dict(vocab_size=256, depth=4, dim=64, num_heads=4, num_kv_heads=2, ffn_hidden_dim=176,
-                 seq_len=64, batch=16),
-    "small": dict(vocab_size=4096, depth=8, dim=256, num_heads=8, num_kv_heads=2, ffn_hidden_dim=768,
-                  seq_len=256, batch=16),
-    "medium": dict(vocab_size=32000, depth=16, dim=2048, num_heads=16, num_kv_heads=4, ffn_hidden_dim=5632,
-                   seq_len=2048, batch=4),
-    "7b-like": dict(vocab_size=32000, depth=8, dim=4096, num_heads=32, num_kv_heads=8, ffn_hidden_dim=11008,
-                    seq_len=4096, batch=2),
-}
-
+from eae_jax.train.shapes import PRESETS, resolve_shape
 
 def parse_passes(spec: str):
     """Build a pass chain from a spec such as ``"int8,clip=1.0"`` (None when empty).
@@ -37,6 +24,11 @@ def parse_passes(spec: str):
 
     Raises:
       ValueError: unknown name (listing the valid names), bad value or syntax.
+
+    Example:
+      >>> from eae_jax.train.config import parse_passes
+      >>> parse_passes("int8,clip=1.0").name, parse_passes("") is None
+      ('chain(int8_fake_quant, clip_by_norm(1))', True)
     """
     from eae_jax.passes.spec import parse_passes as parse
 
@@ -49,7 +41,15 @@ class TrainConfig:
 
     ``batch`` is the global batch per optimizer step, split into
     ``microbatches`` equal parts whose gradients are accumulated in
-    ``grad_accum_dtype``.
+    ``grad_accum_dtype``. The model is the preset with the shape fields over
+    it (`eae_jax.train.shapes`); ``text=[]`` trains on the standard library,
+    ``text=None`` and ``data=None`` on the synthetic task.
+
+    Example:
+      >>> from eae_jax.train import TrainConfig
+      >>> cfg = TrainConfig(preset="tiny", dim=32, heads=2, seq_len=16)
+      >>> cfg.model().dim, cfg.model().block.num_heads, cfg.batch, cfg.text is None
+      (32, 2, 16, True)
     """
 
     preset: str = "tiny"
@@ -80,6 +80,31 @@ class TrainConfig:
     fp8_fallback: str = "step"
     fp8_grad_scaling: str = "delayed"
     fp8_weight_scaling: str = "delayed"
+    # Model shape over the preset (None: the preset's; the vocabulary of a text run: its tokenizer's).
+    vocab_size: Optional[int] = None
+    dim: Optional[int] = None
+    depth: Optional[int] = None
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    ffn: Optional[int] = None
+    norm_eps: Optional[float] = None
+    rope_theta: Optional[float] = None
+    rope_style: Optional[str] = None
+    tie_embeddings: bool = False
+    # Text: None trains on `data` (or the synthetic task); [] the standard library; else files and folders.
+    text: Optional[list] = None
+    tokenizer: Optional[str] = None
+    val_fraction: float = 0.05
+    val_data: Optional[str] = None
+    val_every: int = 50
+    val_batches: int = 4
+    init: Optional[str] = None
+    # Reporting: how a run shows itself (a resumed run may change these).
+    quiet: bool = False
+    tensorboard: Optional[bool] = None
+    plot: bool = True
+    peak_tflops: Optional[float] = None
+    profile: Optional[str] = None
 
     def __post_init__(self):
         self._check_types()
@@ -116,6 +141,9 @@ class TrainConfig:
         if self.data:
             # Stored absolute: a resume from another directory must not read another file of the same name.
             self.data = os.path.abspath(self.data)
+        self._check_text_and_reporting()
+        self.shape = resolve_shape(self.preset, **{k: getattr(self, k) for k in (
+            "vocab_size", "depth", "dim", "heads", "kv_heads", "ffn", "norm_eps", "rope_theta", "rope_style")})
         self.policy_obj = DTypePolicy.from_name(self.dtype)  # validates the name
         from eae_jax.dtypes import parse_compute_dtype
 
@@ -133,7 +161,7 @@ class TrainConfig:
 
             resolve_policy(self.policy)  # "unknown policy ..."
         parse_passes(self.passes)  # a bad --passes fails here, before a model is built
-        for field, valid in (("fp8_scaling", SCALINGS), ("fp8_fallback", FALLBACKS),
+        for field, valid in (("fp8_scaling", ACTIVATION_SCALINGS), ("fp8_fallback", FALLBACKS),
                              ("fp8_grad_scaling", GRAD_SCALINGS), ("fp8_weight_scaling", WEIGHT_SCALINGS)):
             value = getattr(self, field)
             if value not in valid:
@@ -143,19 +171,53 @@ class TrainConfig:
 
             policy_seams(self.policy_obj)  # raises for formats the seams cannot compute in
 
+    def _check_text_and_reporting(self) -> None:
+        """The text, validation, --init and reporting fields (before anything is read or built)."""
+        if self.text is not None:
+            if self.data:
+                raise ValueError("give --text or --data, not both")
+            bad = [p for p in self.text if not isinstance(p, str) or not p or "\0" in p]
+            if bad:
+                raise ValueError(f"text must list files and folders, got {bad[0]!r}")
+            self.text = [os.path.abspath(p) for p in self.text]  # stored absolute, as data
+        if self.tokenizer is not None:
+            if self.text is None:
+                raise ValueError("--tokenizer applies to --text runs (token files are already tokenized)")
+            if not self.tokenizer or "\0" in self.tokenizer:
+                raise ValueError(f"tokenizer must be bytes, bpe:<vocab size> or a tokenizer file, got {self.tokenizer!r}")
+            if self.tokenizer.startswith("bpe:") and not os.path.exists(self.tokenizer):
+                size = self.tokenizer[4:]
+                if not size.isdigit() or not 257 <= int(size) < 2 ** 31:
+                    raise ValueError(f"tokenizer {self.tokenizer!r}: expected bpe:<vocab size >= 257>, e.g. bpe:4096")
+        if not 0 < self.val_fraction <= 0.5:
+            raise ValueError(f"val_fraction must be in (0, 0.5], got {self.val_fraction}")
+        for name in ("val_data", "init"):
+            value = getattr(self, name)
+            if value is not None and (not value or "\0" in value):
+                raise ValueError(f"{name} must name a file or directory, got {value!r}")
+            if value:
+                setattr(self, name, os.path.abspath(value))
+        if self.val_data and self.text is not None:
+            raise ValueError("--val-data applies to --data runs (a text run holds out part of its text)")
+        if self.val_every < 0:
+            raise ValueError(f"val_every must be >= 0 (0: no validation), got {self.val_every}")
+        if self.val_batches < 1:
+            raise ValueError(f"val_batches must be >= 1, got {self.val_batches}")
+        if self.peak_tflops is not None and (not math.isfinite(self.peak_tflops) or self.peak_tflops <= 0):
+            raise ValueError(f"peak_tflops must be a finite number > 0, got {self.peak_tflops}")
+        if self.profile is not None:
+            from eae_jax.train.profile import parse_profile_steps
+
+            parse_profile_steps(self.profile)
+
     def _check_types(self) -> None:
         """TypeError naming the field whose value is not of its declared type (bools are not ints)."""
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            optional = field.type.startswith("Optional[")
-            kind = field.type[len("Optional["):-1] if optional else field.type
-            if value is None and optional:
-                continue
-            ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-                  "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                  "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str)}[kind](value)
-            if not ok:
-                raise TypeError(f"{field.name} must be {'None or ' if optional else ''}{kind}, got {value!r}")
+            problem = _type_problem(field, getattr(self, field.name))
+            if problem:
+                raise TypeError(problem)
+        if isinstance(self.text, tuple):
+            self.text = list(self.text)
 
     @property
     def fp8(self) -> bool:
@@ -163,15 +225,96 @@ class TrainConfig:
         return self.policy_obj.fp8_format is not None
 
     def model(self) -> LMConfig:
-        """The LMConfig of this run's preset and dtype policy."""
-        p = PRESETS[self.preset]
+        """The LMConfig of this run: the preset, the shape fields over it, the dtype policy."""
+        s = self.shape
         compute = self.policy_obj.compute_dtype
-        block = BlockConfig(dim=p["dim"], num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"],
-                            ffn_hidden_dim=p["ffn_hidden_dim"], max_seq_len=max(self.seq_len, 16),
+        block = BlockConfig(dim=s["dim"], num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"],
+                            ffn_hidden_dim=s["ffn_hidden_dim"], norm_eps=s["norm_eps"], rope_theta=s["rope_theta"],
+                            rope_style=s["rope_style"], max_seq_len=max(self.seq_len, 16),
                             compute_dtype=None if compute == self.policy_obj.param_dtype else compute)
-        return LMConfig(vocab_size=p["vocab_size"], depth=p["depth"], block=block)
+        return LMConfig(vocab_size=s["vocab_size"], depth=s["depth"], block=block,
+                        tie_embeddings=self.tie_embeddings)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("policy_obj", None)
+        d.pop("shape", None)
         return d
+
+
+_KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+          "list": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)}
+
+
+def _type_problem(field: dataclasses.Field, value) -> Optional[str]:
+    """Why ``value`` does not fit the field's declared type (None when it does)."""
+    optional = field.type.startswith("Optional[")
+    kind = field.type[len("Optional["):-1] if optional else field.type
+    if (value is None and optional) or _KINDS[kind](value):
+        return None
+    return f"{field.name} must be {'None or ' if optional else ''}{kind}{' of str' if kind == 'list' else ''}, got {value!r}"
+
+
+def read_config_file(path: str) -> dict:
+    """TrainConfig fields from a JSON (``.json``) or TOML (``.toml``) file: ``{"dim": 128, ...}``.
+
+    Keys are field names (``seq_len`` or ``seq-len``); a TOML file may also
+    hold them in a ``[train]`` table. Value types are checked here, the rest
+    when the TrainConfig is made; paths in them are relative to the working
+    directory, as on the command line.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: unreadable JSON/TOML, not a table of settings, unknown keys
+        (all named, with the valid ones), a value of the wrong type.
+
+    Example:
+      >>> import json, os, tempfile
+      >>> from eae_jax.train.config import TrainConfig, read_config_file
+      >>> path = os.path.join(tempfile.mkdtemp(), "run.json")
+      >>> with open(path, "w") as f:
+      ...     json.dump({"preset": "tiny", "dim": 32, "seq-len": 32}, f)
+      >>> values = read_config_file(path)
+      >>> values, TrainConfig(**values).model().dim
+      ({'preset': 'tiny', 'dim': 32, 'seq_len': 32}, 32)
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path} does not exist")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.lower().endswith(".toml"):
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            try:
+                import tomli as tomllib
+            except ImportError as err:
+                raise ValueError(f"config file {path}: TOML needs Python 3.11 (or pip install tomli); "
+                                 "a .json file works everywhere") from err
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ValueError(f"config file {path} is not valid TOML: {err}") from err
+        if isinstance(data.get("train"), dict) and len(data) == 1:
+            data = data["train"]
+    elif path.lower().endswith(".json"):
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ValueError(f"config file {path} is not valid JSON: {err}") from err
+    else:
+        raise ValueError(f"config file {path}: expected a .json or .toml file")
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a table of settings, got a {type(data).__name__}")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(k for k in values if k not in fields)
+    if unknown:
+        raise ValueError(f"config file {path}: unknown settings {unknown}; valid: {', '.join(sorted(fields))}")
+    for field in dataclasses.fields(TrainConfig):
+        problem = _type_problem(field, values[field.name]) if field.name in values else None
+        if problem:
+            raise ValueError(f"config file {path}: {problem}")
+    return values

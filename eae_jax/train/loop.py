@@ -11,7 +11,6 @@ inserts the gradient all-reduce.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -22,11 +21,14 @@ import optax
 from eae_jax.dtypes import parse_compute_dtype
 from eae_jax.models.llama import cross_entropy, init_lm, lm_stack, split_params
 from eae_jax.train import checkpoint as ckpt
-from eae_jax.train.config import PRESETS, TrainConfig, parse_passes
+from eae_jax.train.config import TrainConfig, parse_passes
 from eae_jax.buffers import unalias
+from eae_jax.text import save_tokenizer
 from eae_jax.train.data import TokenFile, make_batches
 from eae_jax.train.lock import RunLock
+from eae_jax.train.monitor import RunMonitor
 from eae_jax.train.rundir import JsonlLog, naming_writes, prepare_out
+from eae_jax.train.sources import prepare_run
 
 
 class TrainState(NamedTuple):
@@ -63,8 +65,7 @@ def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array, source: Opti
 
     tokens = make_batches(key, source, cfg.batch // cfg.microbatches, cfg.seq_len, model.vocab_size)[:, :-1]
     x0 = embed(params["embed"], tokens, model.block.compute_dtype)
-    seams = fp8.policy_seams(cfg.policy_obj, config=fp8.SeamConfig(act_scaling=cfg.fp8_scaling,
-                                                                           weight_scaling=cfg.fp8_weight_scaling))
+    seams = fp8.policy_seams(cfg.policy_obj, activation=cfg.fp8_scaling, weight=cfg.fp8_weight_scaling)
     return fp8.bind_block(model.block, params["blocks"], [x0], seams, fallback=cfg.fp8_fallback)
 
 
@@ -101,12 +102,13 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
     # Delayed weight scales: the weights are cast to fp8 once for a
     # microbatch's forward and recomputation (same results bit for bit as
     # quantizing them in every block call, half the weight passes).
-    cast = bound_fp8 is not None and any(sm.config.weight_scaling == "delayed" for sm in bound_fp8.seams.values())
+    cast = bound_fp8 is not None and any(sm.recipe.weight == "delayed" for sm in bound_fp8.seams.values())
 
     def loss_fn(params, fp8_state, carry, tokens):
         logits = stack(segment_params(params, fp8_state if bound_fp8 is not None else None, model),
                        tokens[:, :-1], carry)
-        return cross_entropy(logits, tokens[:, 1:])
+        with jax.named_scope("loss"):  # a stage of --profile, as the stack's forward.* / backward.* scopes
+            return cross_entropy(logits, tokens[:, 1:])
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
 
@@ -137,8 +139,9 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
         grads = jax.tree_util.tree_map(lambda g, p: (g.astype(jnp.float32) / n).astype(p.dtype), grads, state.params)
         def apply_update(ops):
             grads_, opt_state_, params_ = ops
-            updates, opt_state_ = tx.update(grads_, opt_state_, params_)
-            return optax.apply_updates(params_, updates), opt_state_
+            with jax.named_scope("optimizer"):
+                updates, opt_state_ = tx.update(grads_, opt_state_, params_)
+                return optax.apply_updates(params_, updates), opt_state_
 
         rejected = jnp.zeros((), jnp.bool_)
         if step_fallback:
@@ -171,11 +174,12 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
 
 
 def _add_observations(acc, g_fp8):
-    """Combine microbatches' fp8 observations per seam (`eae_jax.fp8.combine_observations`:
-    counts add up, every amax takes the maximum)."""
-    from eae_jax.fp8 import combine_observations
+    """Combine microbatches' fp8 observations per seam (`eae_jax.observe.combine` of
+    each handle: counts add up, every amax takes the maximum)."""
+    from eae_jax.observe import combine
 
-    return {n: combine_observations(a, g_fp8[n]) for n, a in acc.items()}
+    return {n: a._replace(observed=type(a.observed)(*map(combine, a.observed, g_fp8[n].observed)))
+            for n, a in acc.items()}
 
 
 def _mesh(devices: Optional[int]):
@@ -201,14 +205,15 @@ def init_state(cfg: TrainConfig, model, stack, tx, bound_fp8=None, params=None) 
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), carry, k_data, fp8_state)
 
 
-def build(cfg: TrainConfig, source: Optional[TokenFile] = None):
+def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional[dict] = None):
     """Model, stack, optimizer, bound fp8 seams (or None) and the initial state of a run.
 
     ``source``: the run's token file (None: the synthetic task), for the fp8 calibration batch.
+    ``params``: the initial params (``--init``); None draws them from ``cfg.seed``.
     """
     model = cfg.model()
     tx = make_optimizer(cfg)
-    params = init_lm(_keys(cfg)[0], model)
+    params = init_lm(_keys(cfg)[0], model) if params is None else params
     bound = bind_fp8(cfg, model, params, jax.random.fold_in(_keys(cfg)[2], 2**31 - 1), source) if cfg.fp8 else None
     stack = make_stack(cfg, model, bound)
     return model, stack, tx, bound, init_state(cfg, model, stack, tx, bound, params)
@@ -243,7 +248,7 @@ def _kept(ckpt_dir: str) -> str:
 #: Config fields a resumed run may change: bookkeeping, the schedule's length
 #: (extending a run), and how (not what) it computes.
 RESUME_MAY_CHANGE = ("steps", "out", "checkpoint_every", "keep", "resume", "log_every", "devices", "policy",
-                     "offload")
+                     "offload", "val_every", "val_batches", "quiet", "tensorboard", "plot", "peak_tflops", "profile")
 
 
 def _check_resumable(cfg: TrainConfig, path: str, meta: dict) -> None:
@@ -290,8 +295,10 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
 
     Writes ``<out>/log.jsonl`` (one record per logged step) and checkpoints
     under ``<out>/checkpoints`` (atomic; the newest readable one is resumed
-    when ``cfg.resume``). The run holds ``<out>``'s lock (`RunLock`)
-    throughout: a second run into the same ``out`` is refused.
+    when ``cfg.resume``); a text run's tokenizer, TensorBoard files, the loss
+    plot and ``--profile``'s trace beside them (`RunMonitor`). The run holds
+    ``<out>``'s lock (`RunLock`) throughout: a second run into the same
+    ``out`` is refused.
 
     Resuming: an unreadable newest checkpoint (damaged, not an archive) is
     moved aside to ``<name>.unreadable`` (never deleted) with a warning
@@ -336,13 +343,14 @@ def _resume_point(cfg: TrainConfig, ckpt_dir: str, log_fn):
 
 
 def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int]) -> dict:
+    run = prepare_run(cfg, log_fn)  # text, token file or synthetic; --init: they fix the vocabulary and shape
+    cfg, source = run.config, run.train
     resumed_from, arrays, meta = _resume_point(cfg, ckpt_dir, log_fn)
-    source = TokenFile(cfg.data, PRESETS[cfg.preset]["vocab_size"], cfg.seq_len) if cfg.data else None
     mesh = _mesh(cfg.devices)
     micro_batch = cfg.batch // cfg.microbatches
     if micro_batch % mesh.size:
         raise ValueError(f"micro-batch {micro_batch} does not split over {mesh.size} devices")
-    model, stack, tx, bound_fp8, state = build(cfg, source)
+    model, stack, tx, bound_fp8, state = build(cfg, source, run.init_params)
     if resumed_from:
         state = ckpt.fit(resumed_from, arrays, state)
         log_fn(f"resumed from {resumed_from} at step {int(state.step)}")
@@ -360,7 +368,7 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
     delayed_fn = None
     grad_scaling = "current"  # what the run's steps use now (the summary reports it)
     if bound_fp8 is not None and cfg.fp8_grad_scaling == "delayed":
-        delayed = bound_fp8.with_grad_scaling("delayed")
+        delayed = bound_fp8.with_recipe(gradient="delayed")
         delayed_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, delayed), tx, model, delayed),
                              donate_argnums=(0,))
         if _grad_scales_observed(bound_fp8, state.fp8):
@@ -376,20 +384,28 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
 
     log = JsonlLog(os.path.join(cfg.out, "log.jsonl"))
     first_loss = last_loss = None
-    t_last, tokens_per_step = time.perf_counter(), cfg.batch * cfg.seq_len
-    start_step = last_logged = int(state.step)
+    start_step = int(state.step)
     # Records of steps past the checkpoint (a run killed between checkpoints)
     # are redone by this run: drop them so every step is logged once.
     with naming_writes(start_step, log.path):
         log.truncate_after(start_step)
+    if run.tokenizer is not None:  # beside the checkpoints, where eae-jax generate looks
+        with naming_writes(start_step, cfg.out):
+            save_tokenizer(run.tokenizer, cfg.out)
     last_step = cfg.steps if until is None else min(until, cfg.steps)
+    monitor = RunMonitor(cfg, model, run.val, log, start_step, last_step, log_fn, devices=mesh.size)
+    log_fn = monitor.write  # above the progress bar
+    log_fn(f"training on {run.source}")
     step = start_step
     try:
+        monitor.start(state)
         for step in range(start_step, last_step):
-            data_key = jax.random.fold_in(state.key, step)
-            tokens = make_batches(data_key, source, cfg.batch, cfg.seq_len, model.vocab_size)
-            tokens = jax.device_put(tokens.reshape(cfg.microbatches, micro_batch, -1), data_sharding)
-            state, metrics = step_fn(state, tokens)
+            monitor.begin_step(step + 1)
+            with monitor.host("batch"):
+                data_key = jax.random.fold_in(state.key, step)
+                tokens = make_batches(data_key, source, cfg.batch, cfg.seq_len, model.vocab_size)
+                tokens = jax.device_put(tokens.reshape(cfg.microbatches, micro_batch, -1), data_sharding)
+            state, metrics = monitor.run_step(step_fn, state, tokens)
             done = step + 1
             if rerun_fn is not None and bool(metrics["fp8_step_rejected"]):
                 state, metrics = rerun_fn(state, tokens)
@@ -404,21 +420,17 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
                     delayed_fn = None
                     log_fn(f"fp8: gradient scales still unobserved after {DELAYED_SWITCH_STEPS} steps (seams falling "
                            "back); staying with current gradient scaling")
-            if done % cfg.log_every == 0 or done == last_step or done == start_step + 1:
+            if done % cfg.log_every == 0 or done == last_step or done == start_step + 1 or monitor.wants_log(done):
                 metrics = {k: (float(v) if np.ndim(v) == 0 else np.asarray(v).tolist())
                            for k, v in jax.device_get(metrics).items()}
                 if not np.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"loss became {metrics['loss']} at step {done}; {_kept(ckpt_dir)}")
-                now = time.perf_counter()
-                steps_since, last_logged = done - last_logged, done
-                metrics.update(step=done, seconds=now - t_last, tokens_per_s=tokens_per_step * steps_since / (now - t_last))
-                t_last = now
+                metrics.update(step=done, **monitor.measure(done, state))
                 first_loss = metrics["loss"] if first_loss is None else first_loss
                 last_loss = metrics["loss"]
                 with naming_writes(done, log.path):
                     log.write(metrics)
-                log_fn(f"step {done:>6}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
-                       f"adjoint|xL| {metrics['adjoint_norm'][-1]:.3e}  {metrics['tokens_per_s']:.0f} tok/s")
+                monitor.report(metrics)
             if done % cfg.checkpoint_every == 0 or done == last_step:
                 host_state = jax.device_get(state)
                 # Never let a checkpoint of diverged params replace (keep=) the good ones.
@@ -432,9 +444,10 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
                         what.append(f"{len(bad)} state arrays ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
                     raise FloatingPointError(f"non-finite {' and '.join(what)} at step {done}; not checkpointed; "
                                              f"{_kept(ckpt_dir)}")
-                with naming_writes(done, os.path.join(ckpt_dir, f"ckpt_{done:08d}.npz")):
+                with naming_writes(done, os.path.join(ckpt_dir, f"ckpt_{done:08d}.npz")), monitor.host("checkpoint"):
                     path = ckpt.save(ckpt_dir, done, host_state, metadata={"config": cfg.to_dict()}, keep=cfg.keep)
                 log_fn(f"checkpoint {path}")
+            monitor.end_step(done, state)
     except jax.errors.JaxRuntimeError as err:
         # nonfinite_guard('raise') raises on the host from inside the step: a diverged run, not a crash.
         lines = [line for line in str(err).splitlines() if "nonfinite_guard:" in line]
@@ -442,6 +455,8 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
             raise
         raise FloatingPointError(f"step {step + 1}: {lines[0].split('nonfinite_guard:', 1)[1].strip()} "
                                  f"(nonfinite_guard); {_kept(ckpt_dir)}") from None
+    finally:
+        monitor.close()
     if last_loss is None:
         # Nothing ran (resuming a finished run): report the run's logged losses.
         logged = [r for r in log.records() if isinstance(r.get("step"), int) and isinstance(r.get("loss"), float)
@@ -449,7 +464,8 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
         if logged:
             first_loss, last_loss = logged[0]["loss"], logged[-1]["loss"]
     summary = {"first_loss": first_loss, "final_loss": last_loss, "steps": last_step, "resumed_from": resumed_from,
-               "steps_run": max(last_step - start_step, 0), "out": cfg.out}
+               "steps_run": max(last_step - start_step, 0), "out": cfg.out, "trained_on": run.source}
+    summary.update(monitor.finish(summary["steps_run"]))
     if bound_fp8 is not None:
         report = bound_fp8.report(jax.device_get(state.fp8))
         summary["fp8"] = {"calls": sum(r["calls"] for r in report), "fp8_calls": sum(r["fp8_calls"] for r in report),
@@ -457,7 +473,7 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
                           "grad_clipped": sum(sum(r.get("grad_clipped", [])) for r in report),
                           "weight_clipped": sum(sum(r.get("weight_clipped", [])) for r in report),
                           "grad_scaling": grad_scaling,
-                          "weight_scaling": sorted({sm.config.weight_scaling for sm in bound_fp8.seams.values()}),
+                          "weight_scaling": sorted({sm.recipe.weight for sm in bound_fp8.seams.values()}),
                           "detached": [r["seam"] for r in report if r["detached"]],
                           "gate_worst_cos": min(c["worst_cos"] for c in bound_fp8.certification.values())}
     return summary

@@ -20,6 +20,7 @@ import optax
 
 from eae_jax.dtypes import parse_compute_dtype
 from eae_jax.models.llama import cross_entropy, init_lm, lm_stack, split_params
+from eae_jax.offload_optim import OffloadedOptimizer
 from eae_jax.train import checkpoint as ckpt
 from eae_jax.train.config import TrainConfig, parse_passes
 from eae_jax.buffers import unalias
@@ -140,6 +141,8 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
         def apply_update(ops):
             grads_, opt_state_, params_ = ops
             with jax.named_scope("optimizer"):
+                if isinstance(tx, OffloadedOptimizer):  # state in host memory, streamed chunk by chunk
+                    return tx.apply(grads_, opt_state_, params_)
                 updates, opt_state_ = tx.update(grads_, opt_state_, params_)
                 return optax.apply_updates(params_, updates), opt_state_
 
@@ -205,22 +208,44 @@ def init_state(cfg: TrainConfig, model, stack, tx, bound_fp8=None, params=None) 
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), carry, k_data, fp8_state)
 
 
-def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional[dict] = None):
+def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional[dict] = None, mesh=None,
+          log_fn=print, plans: Optional[list] = None):
     """Model, stack, optimizer, bound fp8 seams (or None) and the initial state of a run.
 
     ``source``: the run's token file (None: the synthetic task), for the fp8 calibration batch.
     ``params``: the initial params (``--init``); None draws them from ``cfg.seed``.
+    With ``cfg.memory_budget`` the stack and the optimizer's placement are
+    planned (`eae_jax.train.budget.plan_run`: ``mesh`` is the data mesh,
+    ``log_fn`` gets the plan table, ``plans`` when given the `RunPlan`).
     """
     model = cfg.model()
     tx = make_optimizer(cfg)
     params = init_lm(_keys(cfg)[0], model) if params is None else params
     bound = bind_fp8(cfg, model, params, jax.random.fold_in(_keys(cfg)[2], 2**31 - 1), source) if cfg.fp8 else None
-    stack = make_stack(cfg, model, bound)
+    stack, run_plan = make_stack(cfg, model, bound), None
+    if cfg.memory_budget is not None:
+        from eae_jax.train.budget import host_adamw, parse_memory_budget, plan_run
+
+        micro = cfg.batch // cfg.microbatches
+        per_device = micro // (mesh.size if mesh is not None else 1)
+        run_plan = plan_run(parse_memory_budget(cfg.memory_budget), stack,
+                            segment_params(params, None if bound is None else bound.state, model), micro, cfg.seq_len,
+                            tx, params, parse_compute_dtype(cfg.grad_accum_dtype),
+                            make_stack=lambda storages: make_stack(cfg, model, bound, storages),
+                            host_tx=lambda: host_adamw(lr_schedule(cfg), cfg.weight_decay, cfg.grad_clip),
+                            mesh=mesh if per_device else None, loss=cross_entropy, log_fn=log_fn)
+        stack, tx = run_plan.stack, run_plan.tx
+        if plans is not None:
+            plans.append(run_plan)
     return model, stack, tx, bound, init_state(cfg, model, stack, tx, bound, params)
 
 
-def make_stack(cfg: TrainConfig, model, bound_fp8=None):
-    """The run's reconstruct stack, with ``bound_fp8``'s block when given."""
+def make_stack(cfg: TrainConfig, model, bound_fp8=None, storage=None):
+    """The run's reconstruct stack, with ``bound_fp8``'s block when given
+    (``storage``: the planned storages of a ``memory_budget`` run)."""
+    if storage is not None:
+        return lm_stack(model, block_fn=None if bound_fp8 is None else bound_fp8.block_fn(),
+                        passes=parse_passes(cfg.passes), storage=storage)
     return lm_stack(model, block_fn=None if bound_fp8 is None else bound_fp8.block_fn(),
                     passes=parse_passes(cfg.passes), boundary_dtype=cfg.boundary_dtype, policy=cfg.policy,
                     offload=cfg.offload)
@@ -350,7 +375,10 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
     micro_batch = cfg.batch // cfg.microbatches
     if micro_batch % mesh.size:
         raise ValueError(f"micro-batch {micro_batch} does not split over {mesh.size} devices")
-    model, stack, tx, bound_fp8, state = build(cfg, source, run.init_params)
+    plans = []
+    model, stack, tx, bound_fp8, state = build(cfg, source, run.init_params, mesh=mesh, log_fn=log_fn, plans=plans)
+    run_plan = plans[0] if plans else None
+    planned = None if run_plan is None else run_plan.stack.storage  # the fp8 variants' stacks keep the plan
     if resumed_from:
         state = ckpt.fit(resumed_from, arrays, state)
         log_fn(f"resumed from {resumed_from} at step {int(state.step)}")
@@ -359,8 +387,15 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data", None))
     # The step donates its state: no two leaves may share a buffer (outputs of jit never do).
-    state = unalias(jax.device_put(state, replicated))
-    step_fn = jax.jit(make_train_step(cfg, stack, tx, model, bound_fp8), donate_argnums=(0,))
+    if isinstance(tx, OffloadedOptimizer):
+        # The state's chunks stay in host memory. Nothing is donated: an output
+        # kept in host memory may be handed a donated device buffer otherwise.
+        opt_state = tx.place(state.opt_state, replicated)
+        state = unalias(jax.device_put(state._replace(opt_state=None), replicated))._replace(opt_state=opt_state)
+        donate = ()
+    else:
+        state, donate = unalias(jax.device_put(state, replicated)), (0,)
+    step_fn = jax.jit(make_train_step(cfg, stack, tx, model, bound_fp8), donate_argnums=donate)
     # Delayed gradient scaling needs scales observed by a step first: the
     # current-scaling step runs until every seam and layer has them (one
     # step unless it fell back), then the delayed step takes over for good
@@ -369,8 +404,8 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
     grad_scaling = "current"  # what the run's steps use now (the summary reports it)
     if bound_fp8 is not None and cfg.fp8_grad_scaling == "delayed":
         delayed = bound_fp8.with_recipe(gradient="delayed")
-        delayed_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, delayed), tx, model, delayed),
-                             donate_argnums=(0,))
+        delayed_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, delayed, planned), tx, model, delayed),
+                             donate_argnums=donate)
         if _grad_scales_observed(bound_fp8, state.fp8):
             step_fn, delayed_fn, grad_scaling = delayed_fn, None, "delayed"
 
@@ -380,7 +415,8 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
     # per block).
     rerun_fn = None
     if bound_fp8 is not None and bound_fp8.fallback == "step":
-        rerun_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, None), tx, model, None), donate_argnums=(0,))
+        rerun_fn = jax.jit(make_train_step(cfg, make_stack(cfg, model, None, planned), tx, model, None),
+                           donate_argnums=donate)
 
     log = JsonlLog(os.path.join(cfg.out, "log.jsonl"))
     first_loss = last_loss = None
@@ -466,6 +502,8 @@ def _train_locked(cfg: TrainConfig, ckpt_dir: str, log_fn, until: Optional[int])
     summary = {"first_loss": first_loss, "final_loss": last_loss, "steps": last_step, "resumed_from": resumed_from,
                "steps_run": max(last_step - start_step, 0), "out": cfg.out, "trained_on": run.source}
     summary.update(monitor.finish(summary["steps_run"]))
+    if run_plan is not None:
+        summary["memory_plan"] = run_plan.summary()
     if bound_fp8 is not None:
         report = bound_fp8.report(jax.device_get(state.fp8))
         summary["fp8"] = {"calls": sum(r["calls"] for r in report), "fp8_calls": sum(r["fp8_calls"] for r in report),

@@ -176,9 +176,10 @@ def chosen_options(names):
 
 
 def plan_budgets(cfg, budgets_gib, option_names):
-    """Costs measured once, then a plan per budget: ``{budget: plan dict}`` (a refused budget: its message)."""
+    """Costs measured once, then a verified plan per budget (`plan_memory`):
+    ``{budget: plan dict}`` (a refused budget: its message)."""
     import eae_jax
-    from eae_jax.reconstruct import BudgetError, make_plan, measure_costs
+    from eae_jax.reconstruct import BudgetError, measure_costs, plan_memory
 
     block, _, p_spec, x_spec, loss = jax_problem(cfg)
     stack = eae_jax.reconstruct(block)
@@ -188,7 +189,9 @@ def plan_budgets(cfg, budgets_gib, option_names):
     plans = {"measure_s": time.perf_counter() - t0}
     for b in budgets_gib:
         try:
-            plan = make_plan(costs, int(b * GIB), options=options)
+            # verified: the full step compiled once, the plan tightened if it needs more than predicted
+            plan = plan_memory(stack, p_spec, x_spec, int(b * GIB), loss=loss, loss_args=(x_spec,), options=options,
+                               costs=costs)
             plans[b] = {**plan.to_dict(), "table": plan.table()}
         except BudgetError as err:
             plans[b] = {"refused": str(err)}

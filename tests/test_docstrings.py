@@ -57,6 +57,7 @@ MODULES = (
     "eae_jax.text.corpus",
     "eae_jax.text.llama2c_tokenizer",
     "eae_jax.text.tokenizer",
+    "eae_jax.train.budget",
     "eae_jax.train.config",
     "eae_jax.train.data",
     "eae_jax.train.metrics",

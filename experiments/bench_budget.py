@@ -175,7 +175,7 @@ def chosen_options(names):
     return options if not names else [o for o in options if o.name in names.split(",")]
 
 
-def plan_budgets(cfg, budgets_gib, option_names):
+def plan_budgets(cfg, budgets_gib, option_names, timing):
     """Costs measured once, then a verified plan per budget (`plan_memory`):
     ``{budget: plan dict}`` (a refused budget: its message)."""
     import eae_jax
@@ -185,7 +185,7 @@ def plan_budgets(cfg, budgets_gib, option_names):
     stack = eae_jax.reconstruct(block)
     options = chosen_options(option_names)
     t0 = time.perf_counter()
-    costs = measure_costs(stack, p_spec, x_spec, loss=loss, loss_args=(x_spec,), options=options)
+    costs = measure_costs(stack, p_spec, x_spec, loss=loss, loss_args=(x_spec,), options=options, timing=timing)
     plans = {"measure_s": time.perf_counter() - t0}
     for b in budgets_gib:
         try:
@@ -272,7 +272,8 @@ def big_specs(args):
     f32 = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), p_spec)
     optimizer_bytes = 3 * float_bytes(f32)  # fp32 master weights, Adam's mu and nu
     options = chosen_options(args.options)
-    costs = measure_costs(eae_jax.reconstruct(block), p_spec, x_spec, loss=loss, loss_args=(x_spec,), options=options)
+    costs = measure_costs(eae_jax.reconstruct(block), p_spec, x_spec, loss=loss, loss_args=(x_spec,), options=options,
+                          timing=args.timing)
     plan = make_plan(costs, int(args.budget_7b * GIB), optimizer_bytes=optimizer_bytes, options=options)
     spec = {"config": cfg.__dict__, "warmup": 1, "steps": max(2, args.steps // 2), "seed": args.seed,
             "variant": f"7b-plan-{args.budget_7b:g}GiB", "kind": "7b", "runs": plan.segments[0].runs,
@@ -357,6 +358,8 @@ def parse_args(argv=None):
     p.add_argument("--budgets", default=None, help="GiB, comma list (default 4,5,6,8,12; smoke: small)")
     p.add_argument("--variants", default=None, help="only the variants whose names start with these (comma list)")
     p.add_argument("--options", default=None, help="the planner's options by name (default: all of default_options)")
+    p.add_argument("--timing", default=None, choices=("flops", "profile"),
+                   help="how the planner prices time (measure_costs; default profile, smoke flops)")
     p.add_argument("--budget-7b", type=float, default=60.0, help="GiB for the 7b section")
     p.add_argument("--repeats", type=int, default=1, help="processes per variant")
     p.add_argument("--steps", type=int, default=None, help="timed steps per process (default 8; smoke 2)")
@@ -376,6 +379,7 @@ def parse_args(argv=None):
     default = "0.0016,0.002,0.003" if args.smoke else "4,5,6,8,12"
     args.budgets = [float(b) for b in (args.budgets or default).split(",")]
     args.steps = args.steps or (2 if args.smoke else 8)
+    args.timing = args.timing or ("flops" if args.smoke else "profile")
     return args
 
 
@@ -385,6 +389,8 @@ def main(argv=None) -> int:
         with open(args.child) as f:
             child(json.load(f))
         return 0
+    # The parent's probes and the children share the device: nobody preallocates it.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
     start = time.time()
@@ -397,7 +403,7 @@ def main(argv=None) -> int:
            "versions": {"jax": jax.__version__}, "args": {k: v for k, v in vars(args).items() if k != "child"},
            "rows": [], "plans": {}, "predicted": {}}
     if "budgets" in args.sections:
-        plans = plan_budgets(cfg, args.budgets, args.options)
+        plans = plan_budgets(cfg, args.budgets, args.options, args.timing)
         doc["plans"] = {str(k): v for k, v in plans.items()}
         for b in args.budgets:
             if "peak" in plans[b]:

@@ -46,7 +46,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+REPO = os.path.dirname(HERE)
+sys.path[:0] = [HERE, REPO]  # this checkout's eae_jax, here and in the children (PYTHONPATH below)
 
 import bench_common as bc  # noqa: E402
 
@@ -204,9 +205,19 @@ def launch(spec: dict, workdir: str):
         json.dump(spec, f)
     script = os.path.join(HERE, "bench_child_torch.py") if spec.get("torch") else os.path.abspath(__file__)
     argv = [sys.executable, script, path] if spec.get("torch") else [sys.executable, script, "--child", path]
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    # stderr to a file: a chatty child (compiler warnings) must not block on a full pipe
+    err = open(path[:-len(".json")] + ".stderr", "w")
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    proc.stderr_path = err.name
+    err.close()
+    return proc
+
+
+def _stderr_tail(proc) -> str:
+    with open(proc.stderr_path) as f:
+        return f.read()[-2000:]
 
 
 def run_batch(specs, workdir, timeout_s):
@@ -220,18 +231,18 @@ def run_batch(specs, workdir, timeout_s):
         if line == "READY":
             ready.append((spec, proc))
         else:
-            err = proc.stderr.read()[-2000:]
             proc.wait()
+            err = _stderr_tail(proc)
             rows.append({"variant": spec["variant"], "status": "failed", "error": line or err})
     for spec, proc in ready:
         try:
-            out, err = proc.communicate("GO\n", timeout=timeout_s)
+            out, _ = proc.communicate("GO\n", timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, err = proc.communicate()
+            out, _ = proc.communicate()
         line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
-            rows.append({"variant": spec["variant"], "status": "failed", "error": err[-2000:]})
+            rows.append({"variant": spec["variant"], "status": "failed", "error": _stderr_tail(proc)})
         else:
             rows.append({**json.loads(line[len("RESULT "):]), "variant": spec["variant"], "status": "ok",
                          "repeat": spec["repeat"]})

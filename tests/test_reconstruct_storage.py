@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec
 import eae_jax
 from eae_jax import passes as P
 from eae_jax.parallel import Sharded, make_mesh
-from eae_jax.reconstruct import (GradSlots, Host, HostUnrolled, OnDevice, Policy, Scan, Segment, SegmentLayout,
-                                 Storage)
+from eae_jax.reconstruct import (GradSlots, Host, HostUnrolled, OnDevice, Policy, Runs, Scan, Segment,
+                                 SegmentLayout, Storage)
 from eae_jax.reconstruct.policy import split_vjp
 
 STORAGES = {
@@ -372,6 +372,84 @@ def test_a_custom_storage_is_two_methods():
     assert_grads_close(got[1], plain_grads("hetero_int_input")[1], rtol=1e-5, atol=1e-6)
 
 
+# ----------------------------------------------------------------------------- runs
+RUNS = {
+    "slots-dots-host": ((1, GradSlots()), (1, Policy("dots")), (1, Host())),
+    "device-slots": ((2, OnDevice()), (1, GradSlots())),
+    "slots-everything-slots": ((1, GradSlots()), (1, Policy("everything")), (1, GradSlots())),
+    "one-run": ((3, Policy("dots_all")),),
+}
+
+
+@pytest.mark.parametrize("case_name", ["scanned", "side"])
+@pytest.mark.parametrize("runs", list(RUNS))
+def test_runs_gradients_equal_plain_grad(runs, case_name):
+    case = _case(case_name)
+    stack = eae_jax.reconstruct(case.blocks, storage=Runs(RUNS[runs]))
+    got = jax.jit(jax.value_and_grad(lambda p, x: loss_of(stack(p, x, side=case.side)), argnums=(0, 1),
+                                     allow_int=True))(case.params, case.x)
+    want = plain_grads(case_name)
+    assert rel_err(got[0], want[0]) <= 1e-6
+    assert_grads_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
+def test_runs_carry_the_pass_state_of_each_block():
+    case = _case("hetero_int_input")
+    storages = [OnDevice(), Runs(((1, Policy("dots")), (1, GradSlots()))), OnDevice(), OnDevice()]
+    stack = eae_jax.reconstruct(case.blocks, storage=storages, passes=list(PASSES))
+    assert [s.kind for s in stack.storages(case.params, case.x)[1].bound] == ["policy", "grad_slots"]
+
+    @jax.jit
+    def step(p, c):
+        gp, gc = jax.grad(lambda p, c: loss_of(stack(p, case.x, c)), argnums=(0, 1), allow_int=True)(p, c)
+        return gp, stack.update(c, gc)[1]
+
+    gp, stats = step(case.params, stack.init(case.params, case.x, jax.random.key(5)))
+    grads, states, n_in, n_out = reference_with_passes(case, P.chain(*PASSES), jax.random.key(5))
+    assert_grads_close([gp[0], _rows(gp[1], 0), _rows(gp[1], 1), gp[2], gp[3]], grads, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(stats["adjoint_norm"]), n_in, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(stats["adjoint_norm_after_passes"]), n_out, rtol=2e-5)
+
+
+def test_runs_write_gradients_in_place():
+    # Separate per-run gradient arrays would be concatenated at the end: a
+    # second copy of a run's gradients at the step's last moment.
+    depth, x = 8, jnp.ones((64, 8))
+    params = {"w1": jnp.full((depth, 8, 96), 0.01), "w2": jnp.full((depth, 96, 8), 0.01)}
+
+    def peak(storage):
+        stack = eae_jax.reconstruct(lambda p, h: h + jnp.tanh(h @ p["w1"]) @ p["w2"], storage=storage)
+        ma = jax.jit(jax.grad(lambda p: jnp.sum(stack(p, x)))).lower(params).compile().memory_analysis()
+        return ma.temp_size_in_bytes + ma.output_size_in_bytes
+
+    one_block_grads = 2 * 8 * 96 * 4
+    assert abs(peak(Runs(((4, OnDevice()), (4, OnDevice())))) - peak(OnDevice())) < one_block_grads / 4
+
+
+def test_runs_arguments_are_checked():
+    case = _case("scanned")
+    with pytest.raises(ValueError, match="the runs hold 2 blocks but segment .* has 3"):
+        eae_jax.reconstruct(case.blocks, storage=Runs(((2, OnDevice()),))).storages(case.params, case.x)
+    with pytest.raises(ValueError, match="cannot be HostUnrolled"):
+        Runs(((3, HostUnrolled()),))
+    with pytest.raises(ValueError, match="block counts must be ints >= 0"):
+        Runs(((-1, OnDevice()),))
+    with pytest.raises(TypeError, match="not an eae_jax.reconstruct storage"):
+        Runs(((3, "device"),))
+    with pytest.raises(ValueError, match="is a single block, not a Scan"):
+        eae_jax.reconstruct([mlp], storage=Runs(((1, OnDevice()),))).storages([_rows(case.params, 0)], case.x)
+    with pytest.raises(ValueError, match="same dtype"):
+        eae_jax.reconstruct(case.blocks, storage=Runs(((2, GradSlots()), (1, GradSlots("bfloat16"))))).storages(
+            case.params, case.x)
+
+    class OwnLoop(OnDevice):
+        def forward(self, layout, params, x, side):
+            return super().forward(layout, params, x, side)
+
+    with pytest.raises(ValueError, match="runs its own loop"):
+        eae_jax.reconstruct(case.blocks, storage=Runs(((3, OwnLoop()),))).storages(case.params, case.x)
+    # a run of no blocks is dropped
+    assert [n for n, _ in Runs(((0, Host()), (3, OnDevice()))).runs] == [3]
 # ----------------------------------------------------------------------------- blocks that update state
 def counted_mlp(p, h):
     """`mlp` whose dropout key is ``fold_in(p['rng'], p['count'])`` (an ``nnx.Dropout``'s
@@ -394,10 +472,12 @@ def stateless_head(w, h):
 
 #: The mesh storage around the default one, its boundaries laid out on the batch axis: a
 #: stateful block's new state passes through it untouched (only ``y`` takes ``x_spec``).
-SHARDED = Sharded(GradSlots(), make_mesh("data=1"), None, x_spec=PartitionSpec("data"))
+# Runs serve the scanned segment only: the others keep their boundaries on the device.
+STATEFUL_STORAGES = {**STORAGES, "runs": [Runs(((1, GradSlots()), (1, Policy("dots")))), OnDevice(), OnDevice()],
+                     "sharded": Sharded(GradSlots(), make_mesh("data=1"), None, x_spec=PartitionSpec("data"))}
 
 
-@pytest.mark.parametrize("storage", [*STORAGES, "sharded"])
+@pytest.mark.parametrize("storage", list(STATEFUL_STORAGES))
 def test_block_state_comes_out_of_the_forward_and_the_backward_sees_the_old(storage):
     k = jax.random.split(jax.random.key(3), 4)
     x = jax.random.normal(k[0], (3, 8))
@@ -415,7 +495,7 @@ def test_block_state_comes_out_of_the_forward_and_the_backward_sees_the_old(stor
 
     (want_loss, want_states), want_grads = jax.jit(jax.value_and_grad(plain, has_aux=True, allow_int=True))(
         [p for _, p in flat], x)
-    stack = eae_jax.reconstruct(blocks, storage=STORAGES.get(storage, SHARDED), block_state=True)
+    stack = eae_jax.reconstruct(blocks, storage=STATEFUL_STORAGES[storage], block_state=True)
 
     def loss(p, x):
         y, states = stack(p, x)

@@ -60,6 +60,8 @@ def test_exit_1_when_nonfinite_guard_raises(tmp_path, capsys, fast_compiles):
     (["--seed", "-1"], r"seed must be an int in \[0, 2\*\*63\)"),
     (["--out", ""], "out must name a run directory"),
     (["--data", ""], "data must name a token file"),
+    (["--memory-budget", "lots"], "memory_budget: cannot read memory budget 'lots'"),
+    (["--memory-budget", "0.5", "--policy", "dots"], "give --memory-budget or --policy, not both"),
 ])
 def test_exit_2_with_one_line_before_anything_is_built(tmp_path, capsys, monkeypatch, args, match):
     from eae_jax.train import loop

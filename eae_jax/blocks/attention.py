@@ -6,6 +6,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from eae_jax.blocks.linear import init_linear, linear
 from eae_jax.blocks.rope import RopeTables, apply_rope
@@ -73,6 +74,9 @@ def causal_attention(
     (torch's ``repeat_interleave`` grouping). The softmax runs through
     `jax.nn.dot_product_attention` with the implementation
     `default_attention_impl` picks (the fused cuDNN kernel on a GPU in bf16).
+    Named for checkpoint policies (`jax.ad_checkpoint.checkpoint_name`):
+    ``attn_q``, ``attn_k``, ``attn_v`` (after RoPE) and ``attn_out`` (the
+    attention output before the output projection).
 
     Args:
       params: see `init_attention`.
@@ -118,7 +122,10 @@ def causal_attention(
     if rope is not None:
         q = apply_rope(q, rope, rope_style)
         k = apply_rope(k, rope, rope_style)
+    # Names a `jax.checkpoint` policy can keep (`save_only_these_names`):
+    # the attention inputs after RoPE and its output before the projection.
+    q, k, v = (checkpoint_name(t, name) for t, name in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
     impl = implementation if implementation is not None else default_attention_impl(q.dtype, head_dim)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-    out = out.reshape(batch, seq, num_heads * head_dim)
+    out = checkpoint_name(out.reshape(batch, seq, num_heads * head_dim), "attn_out")
     return linear(out, params["wo"]) if project_out is None else project_out(params, out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from eae_jax.blocks.linear import init_linear, linear
 
@@ -40,6 +41,9 @@ def init_swiglu(key: jax.Array, dim: int, hidden_dim: int, dtype=jnp.float32) ->
 def swiglu(params: dict, x: jax.Array) -> jax.Array:
     """SwiGLU FFN on ``x`` of shape ``(..., D)``; returns ``(..., D)``.
 
+    The two up-projections are named ``ffn_gate`` and ``ffn_up``
+    (`jax.ad_checkpoint.checkpoint_name`), so a checkpoint policy can keep them.
+
     Raises:
       ValueError: a weight's shape does not fit ``x``.
 
@@ -52,6 +56,8 @@ def swiglu(params: dict, x: jax.Array) -> jax.Array:
       >>> float(jnp.abs(swiglu(params, jnp.zeros((1, 8)))).max())   # silu(0) = 0
       0.0
     """
-    gate = linear(x, params["w_gate"])
-    up = linear(x, params["w_up"])
+    # Named for `jax.checkpoint` policies (`save_only_these_names`): keeping
+    # both spares the backward the two largest matmuls of the block.
+    gate = checkpoint_name(linear(x, params["w_gate"]), "ffn_gate")
+    up = checkpoint_name(linear(x, params["w_up"]), "ffn_up")
     return linear(jax.nn.silu(gate) * up, params["w_down"])

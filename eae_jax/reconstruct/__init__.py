@@ -40,6 +40,9 @@ pick one for all segments):
   policy names, kept as the residuals of each block's VJP.
 * `Host` / `HostUnrolled` (``dtype``): the boundaries in pinned host
   memory, scanned runs kept as a scan or unrolled block by block.
+* `Runs` (``((blocks, storage), ...)``): a scanned segment split into
+  consecutive runs, each with its own storage (what a memory budget plans,
+  `eae_jax.reconstruct.budget`).
 
 The protocol, per segment and per call of the stack:
 
@@ -78,15 +81,20 @@ device, for instance, are (besides `bind`'s default) two methods::
 """
 
 from eae_jax.reconstruct.adjoint import AtBoundary
+from eae_jax.reconstruct.budget import MemoryBudget, plan_memory
+from eae_jax.reconstruct.costs import Costs, Option, default_options, measure_costs
 from eae_jax.reconstruct.host import Host, HostUnrolled
+from eae_jax.reconstruct.planner import BudgetError, Plan, make_plan, parse_budget
 from eae_jax.reconstruct.policy import Policy, resolve_policy
+from eae_jax.reconstruct.runs import Runs
 from eae_jax.reconstruct.slots import GradSlots
 from eae_jax.reconstruct.stack import OFFLOAD_SCHEDULES, Reconstructed, Scan, reconstruct, storage_from_flags
 from eae_jax.reconstruct.storage import (BoundaryStorage, OnDevice, Segment, SegmentLayout, Storage, cast_boundary,
                                          first_order_only)
 
 __all__ = [
-    "AtBoundary", "BoundaryStorage", "GradSlots", "Host", "HostUnrolled", "OFFLOAD_SCHEDULES", "OnDevice", "Policy",
-    "Reconstructed", "Scan", "Segment", "SegmentLayout", "Storage", "cast_boundary", "first_order_only",
-    "reconstruct", "resolve_policy", "storage_from_flags",
+    "AtBoundary", "BoundaryStorage", "BudgetError", "Costs", "GradSlots", "Host", "HostUnrolled", "MemoryBudget",
+    "OFFLOAD_SCHEDULES", "OnDevice", "Option", "Plan", "Policy", "Reconstructed", "Runs", "Scan", "Segment",
+    "SegmentLayout", "Storage", "cast_boundary", "default_options", "first_order_only", "make_plan", "measure_costs",
+    "parse_budget", "plan_memory", "reconstruct", "resolve_policy", "storage_from_flags",
 ]

@@ -98,12 +98,14 @@ class Reconstructed:
     """
 
     def __init__(self, segments: List[Segment], passes: AdjointTransformation, storage: List[Storage], stats: bool,
-                 single: bool, block_state: bool = False):
+                 single: bool, block_state: bool = False, budget: Any = None):
         self.segments = segments
         self.passes = passes
         self.storage = storage  # one per segment, bound to each call's layout by `storages`
         self.collect_stats = stats
         self._single = single  # the user gave one block fn: params is the stacked tree itself
+        self.budget = budget  # a MemoryBudget: the storages come from a plan per input shape
+        self._plans = {}
         self.block_state = block_state  # blocks return (y, new_state); the stack returns (xL, states)
 
     # ------------------------------------------------------------------ layout
@@ -201,7 +203,24 @@ class Reconstructed:
         ['device', 'grad_slots']
         """
         *layouts, _ = self._layouts(params, x, side)
-        return [store.bind(lay) for store, lay in zip(self.storage, layouts)]
+        return [store.bind(lay) for store, lay in zip(self._unbound(params, x, side), layouts)]
+
+    def _unbound(self, params, x, side) -> List[Storage]:
+        return self.storage if self.budget is None else self.plan(params, x, side).storages
+
+    def plan(self, params, x, side=None):
+        """The memory plan of a stack built with ``memory_budget`` for inputs of
+        these shapes (made on the first call for them, then reused): a
+        `eae_jax.reconstruct.Plan`.
+
+        >>> stack = reconstruct(lambda w, x: jnp.tanh(x @ w), memory_budget="1MiB")
+        >>> stack.plan(jnp.ones((3, 4, 4)), jnp.ones((2, 4))).segments[0].runs
+        ((3, 'everything'),)
+        """
+        if self.budget is None:
+            raise ValueError("this stack was built without memory_budget: it has no plan (see plan_memory)")
+        from eae_jax.reconstruct.budget import planned_for
+        return planned_for(self, self._plans, params, x, side)
 
     # ------------------------------------------------------------------ carry
     def init(self, params: Any, x: Any, key: Union[jax.Array, int, None] = None,
@@ -363,7 +382,7 @@ class Reconstructed:
         num = sum(lay.depth for lay in layouts) + 1
         # The storage of every segment is fixed here, before the VJP exists:
         # forward and backward read the same bound objects.
-        stores = [store.bind(lay) for store, lay in zip(self.storage, layouts)]
+        stores = [store.bind(lay) for store, lay in zip(self._unbound(params, x, side), layouts)]
         if carry is None:
             carry = self.init(params, x, side=side)
         elif not isinstance(carry, carry_lib.AdjointCarry):
@@ -439,6 +458,7 @@ def reconstruct(
     stats: bool = True,
     boundaries_in_grads: bool = True,
     storage: Union[Storage, Sequence[Storage], None] = None,
+    memory_budget: Any = None,
     block_state: bool = False,
 ) -> Reconstructed:
     """Turn pure block functions into a stack with explicit adjoint execution.
@@ -485,6 +505,14 @@ def reconstruct(
         ``boundaries_in_grads``: one `Storage` for every segment, or a list
         with one per segment (see the `eae_jax.reconstruct` package
         docstring for the storages and how to write one).
+      memory_budget: instead of storages: bytes (``'6GiB'``), a fraction in
+        (0, 1] of plain autodiff's activations, or a
+        `eae_jax.reconstruct.MemoryBudget`. The stack plans, on its first
+        call for each input shape, the fastest storage per run of blocks
+        whose gradient step fits (`eae_jax.reconstruct.plan_memory`; the
+        plan: `Reconstructed.plan`). The budget covers params, gradients,
+        the stack's activations and the default loss (the output's sum);
+        pass a `MemoryBudget` for another loss or an optimizer's state.
       block_state: every block returns ``(y, new_state)`` instead of ``y``
         (state a block updates as it runs: RNG counters, batch statistics),
         and the stack returns ``(xL, new states)`` (see
@@ -553,16 +581,26 @@ def reconstruct(
         chain_ = as_pass(passes)
     if not isinstance(offload, (bool, str)) or (isinstance(offload, str) and offload not in OFFLOAD_SCHEDULES):
         raise ValueError(f"offload must be a bool or one of {OFFLOAD_SCHEDULES}, got {offload!r}")
+    budget = None
+    if memory_budget is not None:
+        from eae_jax.reconstruct.budget import MemoryBudget
+
+        if storage is not None:
+            raise ValueError("reconstruct: give either storage= or memory_budget=, not both (the budget chooses "
+                             "the storages)")
+        budget = memory_budget if isinstance(memory_budget, MemoryBudget) else MemoryBudget(memory_budget)
+        storage = GradSlots()  # checked below like a given storage; the plan replaces it
     if storage is not None:
         given = [name for name, value, default in (("boundary_dtype", boundary_dtype, None), ("offload", offload, False),
                                                    ("policy", policy, None),
                                                    ("boundaries_in_grads", boundaries_in_grads, True))
                  if value is not default and value != default]
         if given:
-            raise ValueError(f"reconstruct: give either storage= or {', '.join(given)}, not both (a storage "
+            what = "memory_budget=" if budget is not None else "storage="
+            raise ValueError(f"reconstruct: give either {what} or {', '.join(given)}, not both (a storage "
                              "holds its own dtype and placement)")
         stores = _storage_list(storage, segments)
     else:
         stores = [storage_from_flags(policy, offload, boundary_dtype, bool(boundaries_in_grads))
                   ] * len(segments)
-    return Reconstructed(segments, chain_, stores, stats, single, bool(block_state))
+    return Reconstructed(segments, chain_, stores, stats, single, bool(block_state), budget)

@@ -97,6 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "moved aside to <name>.unreadable, never deleted; --no-resume refuses an <out> that has "
                   "checkpoints rather than mixing two runs there)",
         "out": "run directory: <out>/checkpoints and <out>/log.jsonl; locked while a run writes there",
+        "memory_budget": "the fastest step that fits this much device memory per device: bytes ('6GiB', "
+                         "'512MiB') or a fraction in (0, 1] of what plain autodiff keeps ('0.5'); the plan (what "
+                         "each run of blocks keeps where, predicted peak and time) is printed, the optimizer state "
+                         "moves to pinned host memory when it does not fit; a budget below the floor exits 2 "
+                         "naming the floor",
         "seed": "seed of params, adjoint-pass state and data order, in [0, 2**63)",
     }
     for field in dataclasses.fields(TrainConfig):

@@ -109,6 +109,8 @@ class TrainConfig:
     plot: bool = True
     peak_tflops: Optional[float] = None
     profile: Optional[str] = None
+    # The fastest step within this much device memory ('6GiB', or '0.5' of plain autodiff's activations).
+    memory_budget: Optional[str] = None
 
     def __post_init__(self):
         self._check_types()
@@ -177,6 +179,15 @@ class TrainConfig:
 
             resolve_policy(self.policy)  # "unknown policy ..."
         parse_passes(self.passes)  # a bad --passes fails here, before a model is built
+        if self.memory_budget is not None:
+            from eae_jax.train.budget import parse_memory_budget
+
+            parse_memory_budget(self.memory_budget)
+            given = [f"--{n.replace('_', '-')}" for n, v in (("policy", self.policy), ("offload", self.offload),
+                                                              ("boundary_dtype", self.boundary_dtype)) if v]
+            if given:
+                raise ValueError(f"give --memory-budget or {', '.join(given)}, not both (the budget plans what "
+                                 "each block keeps and where)")
         for field, valid in (("fp8_scaling", ACTIVATION_SCALINGS), ("fp8_fallback", FALLBACKS),
                              ("fp8_grad_scaling", GRAD_SCALINGS), ("fp8_weight_scaling", WEIGHT_SCALINGS)):
             value = getattr(self, field)

@@ -28,6 +28,7 @@ from eae_jax.parallel.distributed import process_local_batch
 from eae_jax.parallel.mesh import format_mesh
 from eae_jax.parallel.pipeline import bubble_fraction
 from eae_jax.train.checkpoint import CheckpointStore
+from eae_jax.offload_optim import OffloadedOptimizer
 from eae_jax.train.config import TrainConfig, parse_passes
 from eae_jax.buffers import unalias
 from eae_jax.text import save_tokenizer
@@ -157,6 +158,8 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None, param_sh
         def apply_update(ops):
             grads_, opt_state_, params_ = ops
             with jax.named_scope("optimizer"):
+                if isinstance(tx, OffloadedOptimizer):  # state in host memory, streamed chunk by chunk
+                    return tx.apply(grads_, opt_state_, params_)
                 updates, opt_state_ = tx.update(grads_, opt_state_, params_)
                 return optax.apply_updates(params_, updates), opt_state_
 
@@ -215,7 +218,8 @@ def init_state(cfg: TrainConfig, model, stack, tx, bound_fp8=None, params=None) 
 
 
 def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional[dict] = None,
-          sharding: Optional[RunSharding] = None, materialize: bool = True):
+          sharding: Optional[RunSharding] = None, materialize: bool = True, log_fn=print,
+          plans: Optional[list] = None):
     """Model, stack, optimizer, bound fp8 seams (or None) and the initial state of a run.
 
     ``source``: the run's token file (None: the synthetic task), for the fp8 calibration batch.
@@ -224,29 +228,59 @@ def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional
     call straight into its shardings (no device ever holds it whole).
     ``materialize=False`` returns ``make() -> state`` in the state's place
     (a resumed run never makes one: ``jax.eval_shape(make)`` is its template).
+    With ``cfg.memory_budget`` the stack and the optimizer's placement are
+    planned (`eae_jax.train.budget.plan_run`; ``log_fn`` gets the plan table,
+    ``plans`` when given the `RunPlan`).
     """
     model = cfg.model()
     tx = make_optimizer(cfg)
-    bound = None
-    if cfg.fp8:
+    bound = planned = None
+    if cfg.fp8 or cfg.memory_budget is not None:
         params = init_lm(_keys(cfg)[0], model) if params is None else params
+    if cfg.fp8:
         bound = bind_fp8(cfg, model, params, jax.random.fold_in(_keys(cfg)[2], 2**31 - 1), source)
-    stack = make_stack(cfg, model, bound, sharding)
+    if cfg.memory_budget is not None:
+        run_plan = _plan_memory(cfg, model, bound, params, tx, sharding, log_fn)
+        planned, tx = run_plan.stack.storage, run_plan.tx
+        if plans is not None:
+            plans.append(run_plan)
+    stack = make_stack(cfg, model, bound, sharding, planned)
 
     def make(p=params):
         return init_state(cfg, model, stack, tx, bound, p)
 
-    if sharding is not None:
+    if sharding is not None and not isinstance(tx, OffloadedOptimizer):
         shardings = sharding.state_shardings(jax.eval_shape(make), tx, stack)
         make = functools.partial(jax.jit(make, out_shardings=shardings), params)
     return model, stack, tx, bound, make() if materialize else make
 
 
-def make_stack(cfg: TrainConfig, model, bound_fp8=None, sharding: Optional[RunSharding] = None):
-    """The run's stack, with ``bound_fp8``'s block when given, laid out by ``sharding`` when given."""
+def _plan_memory(cfg: TrainConfig, model, bound, params, tx, sharding: Optional[RunSharding], log_fn):
+    """The `RunPlan` of a ``--memory-budget`` run: per device, on a one-device or data-parallel mesh."""
+    from eae_jax.train.budget import host_adamw, parse_memory_budget, plan_run
+
+    mesh = None if sharding is None else sharding.mesh
+    if sharding is not None and (sharding.pipelined or any(n > 1 for a, n in sharding.sizes.items() if a != "data")):
+        raise ValueError(f"--memory-budget plans the step of one device or of a data-parallel mesh; mesh "
+                         f"{format_mesh(sharding.sizes)} splits the params (fsdp, model or stage): drop one of them")
+    micro = cfg.batch // cfg.microbatches
+    per_device = micro // (mesh.size if mesh is not None else 1)
+    return plan_run(parse_memory_budget(cfg.memory_budget), make_stack(cfg, model, bound),
+                    segment_params(params, None if bound is None else bound.state, model), micro, cfg.seq_len,
+                    tx, params, parse_compute_dtype(cfg.grad_accum_dtype),
+                    make_stack=lambda storages: make_stack(cfg, model, bound, None, storages),
+                    host_tx=lambda: host_adamw(lr_schedule(cfg), cfg.weight_decay, cfg.grad_clip),
+                    mesh=mesh if per_device else None, loss=cross_entropy, log_fn=log_fn)
+
+
+def make_stack(cfg: TrainConfig, model, bound_fp8=None, sharding: Optional[RunSharding] = None, storage=None):
+    """The run's stack, with ``bound_fp8``'s block when given, laid out by ``sharding`` when given
+    (``storage``: the planned storages of a ``memory_budget`` run)."""
     block_fn = None if bound_fp8 is None else bound_fp8.block_fn()
     if sharding is not None:
-        return sharding.stack(cfg, parse_passes(cfg.passes), block_fn, fp8=bound_fp8 is not None)
+        return sharding.stack(cfg, parse_passes(cfg.passes), block_fn, fp8=bound_fp8 is not None, storage=storage)
+    if storage is not None:
+        return lm_stack(model, block_fn=block_fn, passes=parse_passes(cfg.passes), storage=storage)
     return lm_stack(model, block_fn=block_fn, passes=parse_passes(cfg.passes), boundary_dtype=cfg.boundary_dtype,
                     policy=cfg.policy, offload=cfg.offload)
 
@@ -354,7 +388,12 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
     cfg, source = run.config, run.train
     sharding = RunSharding(cfg, cfg.model(), mesh_for(cfg))
     log_fn(sharding.describe())
-    model, stack, tx, bound_fp8, make_state = build(cfg, source, run.init_params, sharding, materialize=False)
+    plans = []
+    model, stack, tx, bound_fp8, make_state = build(cfg, source, run.init_params, sharding, materialize=False,
+                                                    log_fn=log_fn, plans=plans)
+    run_plan = plans[0] if plans else None
+    planned = None if run_plan is None else run_plan.stack.storage  # the fp8 variants' stacks keep the plan
+    offloaded = isinstance(tx, OffloadedOptimizer)
     template = jax.eval_shape(make_state)
     state_sh = sharding.state_shardings(template, tx, stack)
     resumed_from, state, meta = resume_point(cfg, store, template, state_sh, log_fn)
@@ -367,11 +406,21 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
         state = make_state()
     data_sharding = sharding.tokens_sharding()
 
+    if offloaded:
+        # The state's chunks stay in host memory. Nothing is donated: an output
+        # kept in host memory may be handed a donated device buffer otherwise.
+        opt_state = tx.place(state.opt_state, sharding.replicated())
+        state = unalias(jax.device_put(state._replace(opt_state=None), sharding.replicated()))
+        state = state._replace(opt_state=opt_state)
+
     def jit_step(fn):
+        if offloaded:
+            return jax.jit(fn)
         return jax.jit(fn, in_shardings=(state_sh, data_sharding), out_shardings=(state_sh, sharding.replicated()),
                        donate_argnums=(0,))
 
-    step_fn = jit_step(make_train_step(cfg, stack, tx, model, bound_fp8, param_shardings=state_sh.params))
+    step_fn = jit_step(make_train_step(cfg, stack, tx, model, bound_fp8,
+                                       param_shardings=None if offloaded else state_sh.params))
     # Delayed gradient scaling needs scales observed by a step first: the
     # current-scaling step runs until every seam and layer has them (one
     # step unless it fell back), then the delayed step takes over for good
@@ -380,8 +429,8 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
     grad_scaling = "current"  # what the run's steps use now (the summary reports it)
     if bound_fp8 is not None and cfg.fp8_grad_scaling == "delayed":
         delayed = bound_fp8.with_recipe(gradient="delayed")
-        delayed_fn = jit_step(make_train_step(cfg, make_stack(cfg, model, delayed, sharding), tx, model, delayed,
-                                              param_shardings=state_sh.params))
+        delayed_fn = jit_step(make_train_step(cfg, make_stack(cfg, model, delayed, sharding, planned), tx, model,
+                                              delayed, param_shardings=None if offloaded else state_sh.params))
         if _grad_scales_observed(bound_fp8, state.fp8):
             step_fn, delayed_fn, grad_scaling = delayed_fn, None, "delayed"
 
@@ -391,8 +440,8 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
     # per block).
     rerun_fn = None
     if bound_fp8 is not None and bound_fp8.fallback == "step":
-        rerun_fn = jit_step(make_train_step(cfg, make_stack(cfg, model, None, sharding), tx, model, None,
-                                            param_shardings=state_sh.params))
+        rerun_fn = jit_step(make_train_step(cfg, make_stack(cfg, model, None, sharding, planned), tx, model, None,
+                                            param_shardings=None if offloaded else state_sh.params))
 
     log = JsonlLog(os.path.join(cfg.out, "log.jsonl")) if primary else _ReadOnlyLog(os.path.join(cfg.out, "log.jsonl"))
     first_loss = last_loss = None
@@ -496,6 +545,8 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
         summary["pipeline"] = {"stages": sharding.stages, "microbatches": sharding.microbatches,
                                "bubble_fraction": bubble_fraction(sharding.stages, sharding.microbatches)}
     summary.update(monitor.finish(summary["steps_run"]))
+    if run_plan is not None:
+        summary["memory_plan"] = run_plan.summary()
     if bound_fp8 is not None:
         report = bound_fp8.report(jax.device_get(state.fp8))
         summary["fp8"] = {"calls": sum(r["calls"] for r in report), "fp8_calls": sum(r["fp8_calls"] for r in report),

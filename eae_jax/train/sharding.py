@@ -18,6 +18,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from eae_jax.models.llama import lm_stack
+from eae_jax.offload_optim import OffloadedOptimizer
 from eae_jax.parallel.lm import lm_logical_axes, lm_param_shardings, opt_state_shardings
 from eae_jax.parallel.mesh import format_mesh, make_mesh, mesh_size
 from eae_jax.parallel.pipeline import bubble_fraction
@@ -105,7 +106,10 @@ class RunSharding:
         params = self.param_shardings(state.params)
         carry = (stack.carry_shardings(state.carry) if isinstance(stack, PipelinedLM)
                  else jax.tree_util.tree_map(lambda _: rep, state.carry))
-        return type(state)(rep, params, opt_state_shardings(tx, state.opt_state, params, self.mesh), carry, rep,
+        # An optimizer whose state lives in host memory places it itself (`OffloadedOptimizer.place`).
+        opt = (jax.tree_util.tree_map(lambda _: rep, state.opt_state) if isinstance(tx, OffloadedOptimizer)
+               else opt_state_shardings(tx, state.opt_state, params, self.mesh))
+        return type(state)(rep, params, opt, carry, rep,
                            jax.tree_util.tree_map(lambda _: rep, state.fp8))
 
     def tokens_sharding(self) -> NamedSharding:
@@ -121,15 +125,19 @@ class RunSharding:
         return tokens.reshape((self.microbatches, tokens.shape[0] // self.microbatches) + tokens.shape[1:])
 
     # ------------------------------------------------------------------ stack
-    def stack(self, cfg, passes, block_fn=None, fp8: bool = False):
-        """The run's stack over this mesh (``block_fn``: the fp8 block, or None)."""
+    def stack(self, cfg, passes, block_fn=None, fp8: bool = False, storage=None):
+        """The run's stack over this mesh (``block_fn``: the fp8 block, or None; ``storage``: a
+        memory plan's storages of the embedding, the blocks and the head, or None for the flags')."""
         if self.pipelined:
+            if storage is not None:
+                raise ValueError("a memory plan's storages do not apply to a pipeline (stage > 1)")
             return PipelinedLM(self.model, self.mesh, self.microbatches, block_fn=block_fn, passes=passes,
                                boundary_dtype=cfg.boundary_dtype, policy=cfg.policy, offload=cfg.offload)
-        inner = storage_from_flags(cfg.policy, cfg.offload, cfg.boundary_dtype)
+        flags = storage_from_flags(cfg.policy, cfg.offload, cfg.boundary_dtype)
+        embed, inner, head = (flags, flags, flags) if storage is None else storage
         specs = self.block_specs()
         axes = self.batch_axes
         blocks = Sharded(inner, self.mesh, {"params": specs, "fp8": None} if fp8 else specs, gather=("fsdp",),
                          x_spec=PartitionSpec((axes[0] if len(axes) == 1 else axes) or None))
-        plain = storage_for_mesh(inner, self.mesh)
-        return lm_stack(self.model, block_fn=block_fn, passes=passes, storage=[plain, blocks, plain])
+        return lm_stack(self.model, block_fn=block_fn, passes=passes,
+                        storage=[storage_for_mesh(embed, self.mesh), blocks, storage_for_mesh(head, self.mesh)])

@@ -1,0 +1,185 @@
+"""Memory-budget reconstruction: the fastest step of a stack that fits a given memory.
+
+`plan_memory` measures what each storage option costs every segment of a
+stack (`eae_jax.reconstruct.costs`), chooses the fastest plan under the
+budget (`eae_jax.reconstruct.planner`), compiles the planned step once to
+check it (tightening the plan by what the compiled step needs beyond the
+prediction) and returns the `Plan`::
+
+    plan = plan_memory(stack, params, x, "6GiB", optimizer=tx)
+    print(plan)                                     # per run: kept where, bytes, time
+    stack = reconstruct(blocks, storage=plan.storages)
+
+``reconstruct(blocks, memory_budget=...)`` does the same on its first call
+for each input shape (a `MemoryBudget` carries the planning options).
+The budget is per device: under a mesh the probes compile sharded, and
+their ``memory_analysis()`` is one device's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from eae_jax.reconstruct.costs import (Costs, Option, compiled_peak, default_loss, measure_costs, nbytes,
+                                       stack_output)
+from eae_jax.reconstruct.planner import BudgetError, Plan, make_plan, parse_budget
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """A memory budget and how to plan for it (see `plan_memory` for each field).
+
+    >>> MemoryBudget("6GiB").bytes_or_fraction
+    6442450944
+    """
+
+    budget: Any
+    optimizer_bytes: int = 0
+    offload_optimizer: Any = "auto"
+    loss: Optional[Callable] = None
+    loss_args: Sequence = ()
+    timing: str = "flops"
+    options: Optional[Sequence[Option]] = None
+    costs: Optional[Costs] = None
+    mesh: Any = None
+    verify: bool = True
+
+    @property
+    def bytes_or_fraction(self):
+        """The budget parsed (`parse_budget`)."""
+        return parse_budget(self.budget)
+
+    def __post_init__(self):
+        parse_budget(self.budget)  # a bad budget fails when given, not at the first call
+
+
+def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable] = None, loss_args: Sequence = (),
+                optimizer: Any = None, optimizer_bytes: Optional[int] = None, offload_optimizer: Any = "auto",
+                options: Optional[Sequence[Option]] = None, timing: str = "flops", costs: Optional[Costs] = None,
+                mesh: Any = None, verify: bool = True) -> Plan:
+    """The fastest storage plan of ``stack`` whose step fits ``budget`` (per device).
+
+    Args:
+      stack: a `Reconstructed` (its own storages are not used).
+      params, x, side: the step's inputs, or their shapes.
+      budget: bytes (``6 << 30``, ``'6GiB'``) or a fraction in (0, 1] of the
+        activations plain autodiff keeps, on top of params, gradients and
+        optimizer state (torch's ``activation_memory_budget`` convention).
+      loss, loss_args: the step's loss, ``loss(output, *loss_args)``
+        (default: the output's sum); its working memory counts.
+      optimizer: an optax transformation whose state the step keeps (its
+        bytes from ``init`` on the params' shapes), or ``optimizer_bytes``.
+      offload_optimizer: ``'auto'``: the state goes to pinned host memory
+        (`eae_jax.offload_optim`) when it does not fit or when that is
+        faster; True / False force it.
+      options, timing: see `measure_costs`; ``costs`` skips measuring.
+      mesh: None, or a `jax.sharding.Mesh` whose first axis splits the batch
+        (axis 0 of ``x``), params replicated: probes compile for it.
+      verify: compile the planned step once; when it needs more than the
+        budget, plan again leaving that much unused (up to three times).
+
+    Returns:
+      A `Plan`: ``print(plan)``; ``reconstruct(blocks, storage=plan.storages)``.
+
+    Raises:
+      BudgetError: the budget is below the floor (the message names it).
+
+    >>> import jax.numpy as jnp
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x @ w))
+    >>> plan = plan_memory(stack, jnp.ones((4, 8, 8)), jnp.ones((2, 8)), "1MiB")
+    >>> [s.runs for s in plan.segments], plan.compiled_peak <= plan.budget
+    ([((4, 'everything'),)], True)
+    """
+    if optimizer is not None and optimizer_bytes is not None:
+        raise ValueError("give optimizer or optimizer_bytes, not both")
+    if optimizer is not None:
+        optimizer_bytes = nbytes(jax.eval_shape(optimizer.init, jax.eval_shape(lambda p: p, params)))
+    shardings = None if mesh is None else _data_parallel(mesh)
+    if costs is None:
+        costs = measure_costs(stack, params, x, side, loss=loss, loss_args=loss_args, options=options, timing=timing,
+                              in_shardings=shardings)
+    kw = dict(options=options, optimizer_bytes=optimizer_bytes or 0, offload_optimizer=offload_optimizer)
+    plan = make_plan(costs, budget, **kw)
+    if not verify:
+        return plan
+    margin = 0
+    for _ in range(3):
+        peak = step_peak(stack, plan, params, x, side, loss=loss, loss_args=loss_args, in_shardings=shardings)
+        peak += plan.optimizer
+        if peak <= plan.budget:
+            break
+        margin += peak - plan.budget
+        plan = make_plan(costs, budget, margin=margin, **kw)
+    return dataclasses.replace(plan, compiled_peak=int(peak))
+
+
+def planned_for(stack, plans: dict, params, x, side=None) -> Plan:
+    """The plan of ``stack`` (built with a `MemoryBudget`) for inputs of these
+    shapes, made by `plan_memory` once per shapes and kept in ``plans``.
+
+    >>> import jax.numpy as jnp
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack, plans = reconstruct(lambda w, x: jnp.tanh(x @ w), memory_budget="1MiB"), {}
+    >>> planned_for(stack, plans, jnp.ones((4, 8, 8)), jnp.ones((2, 8))) is planned_for(
+    ...     stack, plans, jnp.ones((4, 8, 8)), jnp.zeros((2, 8)))
+    True
+    """
+    def spec(a):
+        a = jnp.asarray(a) if not hasattr(a, "shape") else a
+        return jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
+
+    p, xs, s = (jax.tree_util.tree_map(spec, t) for t in (params, x, side))
+    key = (jax.tree_util.tree_structure(p), tuple(jax.tree_util.tree_leaves(p)), xs,
+           jax.tree_util.tree_structure(s), tuple(jax.tree_util.tree_leaves(s)))
+    if key not in plans:
+        b = stack.budget
+        plans[key] = plan_memory(stack, p, xs, b.budget, s, loss=b.loss, loss_args=b.loss_args,
+                                 optimizer_bytes=b.optimizer_bytes, offload_optimizer=b.offload_optimizer,
+                                 options=b.options, timing=b.timing, costs=b.costs, mesh=b.mesh, verify=b.verify)
+    return plans[key]
+
+
+def step_peak(stack, plan: Plan, params, x, side=None, *, loss: Optional[Callable] = None, loss_args: Sequence = (),
+              in_shardings: Optional[Callable] = None) -> int:
+    """The compiled peak (`compiled_peak`) of ``stack``'s gradient step under
+    ``plan``'s storages, at full depth, with ``loss`` (default the output's sum).
+
+    >>> import jax.numpy as jnp
+    >>> from eae_jax.reconstruct import reconstruct
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x @ w))
+    >>> plan = plan_memory(stack, jnp.ones((4, 8, 8)), jnp.ones((2, 8)), "1MiB", verify=False)
+    >>> step_peak(stack, plan, jnp.ones((4, 8, 8)), jnp.ones((2, 8))) > 0
+    True
+    """
+    from eae_jax.reconstruct.stack import Reconstructed
+
+    planned = Reconstructed(stack.segments, stack.passes, plan.storages, stack.collect_stats, stack._single,
+                            stack.block_state)
+    loss = loss or default_loss
+
+    def step(p, xx, s, args):
+        return jax.value_and_grad(lambda pp: loss(stack_output(planned, pp, xx, s), *args))(p)
+
+    specs = jax.eval_shape(lambda *a: a, params, x, side, tuple(loss_args))
+    jitted = jax.jit(step) if in_shardings is None else jax.jit(step, in_shardings=in_shardings(specs[0], specs[1]))
+    return compiled_peak(jitted.lower(*specs).compile())
+
+
+def _data_parallel(mesh):
+    """Probe shardings for a data-parallel mesh: params replicated, the batch split over the first axis."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def shardings(p_spec, x_spec):
+        rep = NamedSharding(mesh, PartitionSpec())
+        batch = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+        return (jax.tree_util.tree_map(lambda _: rep, p_spec), batch, None, None)
+
+    return shardings
+
+
+__all__ = ["BudgetError", "MemoryBudget", "Plan", "plan_memory", "planned_for", "step_peak"]

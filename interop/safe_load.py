@@ -9,8 +9,10 @@ they are allowlisted by name only when the caller asks for modules
 (`load_torch_file(..., allow_modules=True)`), and unpickling an allowlisted
 ``nn.Module`` only restores its attribute dict (no ``__init__`` runs).
 
-safetensors files hold no code at all. `detect_format` sniffs magic bytes,
-never the extension alone, so a renamed file is still recognised.
+safetensors files hold no code at all; they are read with numpy alone
+(`interop.safetensors_numpy`), so they need neither torch nor the
+safetensors package. `detect_format` sniffs magic bytes, never the
+extension alone, so a renamed file is still recognised.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 
 from eae_jax.fileio import new_file_mode
 from interop.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
+from interop.safetensors_numpy import read_safetensors
 from interop.tensors import require_torch, torch_to_numpy
 
 #: llama2.c's version-1/2 magic, the uint32 of ASCII "ak42".
@@ -127,7 +130,8 @@ def load_torch_file(path: str, allow_modules: bool = False) -> Any:
 
 
 def load_safetensors_file(path: str) -> Dict[str, np.ndarray]:
-    """Read a ``.safetensors`` file into ``{name: numpy array}`` (dtypes kept, bf16 included).
+    """Read a ``.safetensors`` file into ``{name: numpy array}`` (dtypes kept,
+    bf16 included), with numpy alone (`interop.safetensors_numpy`).
 
     Raises:
       FileNotFoundError: no such file.
@@ -143,17 +147,7 @@ def load_safetensors_file(path: str) -> Dict[str, np.ndarray]:
       >>> w.dtype.name, w.astype("float32").tolist()
       ('bfloat16', [1.0, 2.0])
     """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such checkpoint file: {path}")
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    size = os.path.getsize(path)
-    try:
-        tensors = load_file(path, device="cpu")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CorruptCheckpointError(f"{path}: truncated or damaged safetensors file ({size} bytes): {err}") from err
-    return {k: torch_to_numpy(v) for k, v in tensors.items()}
+    return read_safetensors(path)
 
 
 @contextlib.contextmanager
@@ -194,7 +188,8 @@ def atomic_target(path: str):
 
 def state_dict_to_numpy(sd: Any, where: str) -> Dict[str, np.ndarray]:
     """A flat ``{name: torch.Tensor}`` mapping -> ``{name: numpy array}`` (numpy / JAX
-    arrays among the values are taken as they are).
+    arrays among the values are taken as they are; a mapping of arrays
+    alone needs no torch).
 
     Raises:
       UnknownFormatError: not a mapping of tensors (the message says what it is).
@@ -209,18 +204,22 @@ def state_dict_to_numpy(sd: Any, where: str) -> Dict[str, np.ndarray]:
       ...
       interop.errors.UnknownFormatError: example: expected a state dict of tensors, but 1 entries are not tensors: 'w'
     """
-    torch = require_torch()
     if not isinstance(sd, dict):
         raise UnknownFormatError(f"{where}: expected a state dict (name -> tensor), got {type(sd).__name__}")
-    def is_array(v):  # numpy / JAX arrays are taken as they are
-        return isinstance(v, np.ndarray) or (hasattr(v, "__array__") and hasattr(v, "dtype") and hasattr(v, "shape"))
 
-    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor) and not is_array(v)]
+    def is_tensor(v):  # a torch tensor (torch is imported only for a value that may be one)
+        return type(v).__module__.startswith("torch") and isinstance(v, require_torch().Tensor)
+
+    def is_array(v):  # numpy / JAX arrays are taken as they are
+        return not is_tensor(v) and (isinstance(v, np.ndarray) or (
+            hasattr(v, "__array__") and hasattr(v, "dtype") and hasattr(v, "shape")))
+
+    bad = [k for k, v in sd.items() if not is_array(v) and not is_tensor(v)]
     if bad:
         raise UnknownFormatError(
             f"{where}: expected a state dict of tensors, but {len(bad)} entries are not tensors: "
             f"{', '.join(repr(b) for b in bad[:8])}")
-    return {str(k): torch_to_numpy(v) if isinstance(v, torch.Tensor) else np.asarray(v) for k, v in sd.items()}
+    return {str(k): torch_to_numpy(v) if is_tensor(v) else np.asarray(v) for k, v in sd.items()}
 
 
 def llama2c_bin_size(dim: int, hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, seq: int,

@@ -368,3 +368,68 @@ def test_a_custom_storage_is_two_methods():
     stack = eae_jax.reconstruct(case.blocks, storage=Inputs())
     got = jax.jit(jax.value_and_grad(lambda p: loss_of(stack(p, case.x)), allow_int=True))(case.params)
     assert_grads_close(got[1], plain_grads("hetero_int_input")[1], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- blocks that update state
+def counted_mlp(p, h):
+    """`mlp` whose dropout key is ``fold_in(p['rng'], p['count'])`` (an ``nnx.Dropout``'s
+    RNG stream): returns ``(y, new state)``, the count advanced and a running mean of ``h``."""
+    keep = jax.random.bernoulli(jax.random.fold_in(p["rng"], p["count"]), 0.75, h.shape)
+    y = h + jnp.where(keep, jnp.tanh(h @ p["w1"]) @ p["w2"], 0.0) * p["s"]
+    return y, {"count": p["count"] + 1, "mean": 0.9 * p["mean"] + 0.1 * jnp.mean(h, axis=0)}
+
+
+def counted_params(key, depth=None):
+    p = mlp_params(key, depth)
+    lead = () if depth is None else (depth,)
+    return {"w1": p["w1"], "w2": p["w2"], "s": p["s"], "rng": p["rng"],
+            "count": jnp.full(lead, 3, jnp.uint32), "mean": jnp.zeros(lead + (8,))}
+
+
+def stateless_head(w, h):
+    return h @ w, None
+
+
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_block_state_comes_out_of_the_forward_and_the_backward_sees_the_old(storage):
+    k = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(k[0], (3, 8))
+    blocks = [Scan(counted_mlp), counted_mlp, stateless_head]
+    params = [counted_params(k[1], 2), counted_params(k[2]), 0.5 * jax.random.normal(k[3], (8, 5))]
+    flat = [(counted_mlp, _rows(params[0], 0)), (counted_mlp, _rows(params[0], 1)), (counted_mlp, params[1]),
+            (stateless_head, params[2])]
+
+    def plain(ps, x):  # ordinary autodiff block by block, every block's state kept
+        states = []
+        for (fn, _), p in zip(flat, ps):
+            x, state = fn(p, x)
+            states.append(state)
+        return loss_of(x), states
+
+    (want_loss, want_states), want_grads = jax.jit(jax.value_and_grad(plain, has_aux=True, allow_int=True))(
+        [p for _, p in flat], x)
+    stack = eae_jax.reconstruct(blocks, storage=STORAGES[storage], block_state=True)
+
+    def loss(p, x):
+        y, states = stack(p, x)
+        return loss_of(y), states
+
+    (got_loss, states), grads = jax.jit(jax.value_and_grad(loss, has_aux=True, allow_int=True))(params, x)
+    assert rel_err(got_loss, want_loss) <= 1e-6
+    assert states[2] is None  # the head's
+    got_states = [_rows(states[0], 0), _rows(states[0], 1), states[1], None]
+    got_grads = [_rows(grads[0], 0), _rows(grads[0], 1), grads[1], grads[2]]
+    chex.assert_trees_all_close(got_states, want_states, rtol=1e-6, atol=1e-7)
+    assert_grads_close(got_grads, want_grads, rtol=1e-5, atol=1e-6)
+    # the counts advanced by one: recomputing from the new count would have drawn other masks
+    assert got_states[0]["count"].tolist() == 4
+
+
+def test_block_state_is_not_differentiated_and_a_block_must_return_a_pair():
+    stack = eae_jax.reconstruct(lambda w, x: (x * w, x * w), block_state=True)
+    w, x = jnp.full((2, 3), 2.0), jnp.ones(3)
+    # the loss reads the state too: its cotangent is dropped, y's goes through (dL/dw_i = 4 for y = 4x)
+    g = jax.grad(lambda w: jnp.sum(stack(w, x)[0]) + jnp.sum(stack(w, x)[1]))(w)
+    np.testing.assert_allclose(np.asarray(g), [[2.0] * 3, [2.0] * 3])
+    with pytest.raises(TypeError, match=r"block 'scale' must return \(y, new_state\)"):
+        eae_jax.reconstruct(Scan(lambda w, x: x * w, "scale"), block_state=True)(w, x)

@@ -7,8 +7,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eae_jax.passes._util import abs_max, norm_f32, require_float_spec, require_number
+from eae_jax.passes._util import abs_max, norm_f32, require_float_spec
 from eae_jax.passes.base import AdjointTransformation
+from eae_jax.passes.schedule import ScalarOrSchedule, hyper
 
 
 class ClipState(NamedTuple):
@@ -38,7 +39,7 @@ def _scaled_norm(adjoint, norm):
     return jnp.where(jnp.all(jnp.isfinite(w)), scaled, norm)
 
 
-def clip_by_norm(max_norm: float) -> AdjointTransformation:
+def clip_by_norm(max_norm: ScalarOrSchedule) -> AdjointTransformation:
     """Clip one adjoint's Euclidean norm to ``max_norm``.
 
     The norm is computed in float32 (when that overflows for a finite
@@ -53,7 +54,9 @@ def clip_by_norm(max_norm: float) -> AdjointTransformation:
     every built-in pass.
 
     Args:
-      max_norm: positive Python float.
+      max_norm: positive Python float, or a schedule of the step
+        (`eae_jax.passes.schedule`; a value <= 0 it gives later zeroes
+        every adjoint with a nonzero norm).
 
     Returns:
       An `AdjointTransformation` with `ClipState` (last input norm and
@@ -76,7 +79,7 @@ def clip_by_norm(max_norm: float) -> AdjointTransformation:
       False
     """
     name = "clip_by_norm"
-    max_norm = require_number(name, "max_norm", max_norm, low=0.0, low_open=True)
+    bound = hyper(name, "max_norm", max_norm, low=0.0, low_open=True)
 
     def init(spec, key):
         del key
@@ -84,7 +87,8 @@ def clip_by_norm(max_norm: float) -> AdjointTransformation:
         return ClipState(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.bool_))
 
     def update(adjoint, state, ctx):
-        del state, ctx
+        del state
+        max_norm = bound.value if bound.fixed else jnp.maximum(bound.at(ctx.step), 0.0)
         norm = norm_f32(adjoint)
         # A large finite adjoint (an entry above ~1.8e19, or many large ones)
         # overflows the float32 sum of squares; an infinite norm would make the
@@ -99,4 +103,4 @@ def clip_by_norm(max_norm: float) -> AdjointTransformation:
         clipped = (adjoint.astype(wide) * factor).astype(adjoint.dtype)
         return jnp.where(clip, clipped, adjoint), ClipState(norm, clip)
 
-    return AdjointTransformation(init, update, f"clip_by_norm({max_norm:g})")
+    return AdjointTransformation(init, update, f"clip_by_norm({bound.label})")

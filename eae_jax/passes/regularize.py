@@ -7,11 +7,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eae_jax.passes._util import require_float_spec, require_number
+from eae_jax.passes._util import require_float_spec
 from eae_jax.passes.base import AdjointTransformation, stateless
+from eae_jax.passes.schedule import ScalarOrSchedule, hyper
 
 
-def decay(strength: float) -> AdjointTransformation:
+def decay(strength: ScalarOrSchedule) -> AdjointTransformation:
     """Shrink the adjoint: ``g * (1 - strength)``.
 
     The seed's ``RegularizationPass``: a decay proportional to the adjoint
@@ -20,7 +21,9 @@ def decay(strength: float) -> AdjointTransformation:
     for a scalar multiply. ``strength == 0`` leaves the adjoint untouched.
 
     Args:
-      strength: Python float; any real value (``> 1`` flips the sign).
+      strength: Python float; any real value (``> 1`` flips the sign); or
+        a schedule of the step (`eae_jax.passes.schedule`), the factor
+        ``1 - strength`` then computed in float32.
 
     Returns:
       A stateless `AdjointTransformation`.
@@ -34,17 +37,15 @@ def decay(strength: float) -> AdjointTransformation:
       >>> decay(0.25).update(jnp.array([4.0, -8.0]), EmptyState(), None)[0].tolist()
       [3.0, -6.0]
     """
-    strength = require_number("decay", "strength", strength)
-    if strength in (float("inf"), float("-inf")):
-        raise ValueError(f"decay: strength must be finite, got {strength}")
-    name = f"decay({strength:g})"
-    factor = 1.0 - strength
+    bound = hyper("decay", "strength", strength, finite=True)
+    name = f"decay({bound.label})"
 
     def apply(adjoint, ctx):
-        del ctx
-        if strength == 0.0:
-            return adjoint
-        return adjoint * jnp.asarray(factor, adjoint.dtype)
+        if bound.fixed:
+            if bound.value == 0.0:
+                return adjoint
+            return adjoint * jnp.asarray(1.0 - bound.value, adjoint.dtype)
+        return adjoint * (1.0 - bound.at(ctx.step)).astype(adjoint.dtype)
 
     return stateless(apply, name)
 
@@ -67,7 +68,7 @@ class NoiseState(NamedTuple):
     key: jax.Array
 
 
-def gaussian_noise(std: float) -> AdjointTransformation:
+def gaussian_noise(std: ScalarOrSchedule) -> AdjointTransformation:
     """Add zero-mean Gaussian noise: ``g + std * N(0, 1)``.
 
     The seed's ``GaussianNoisePass``. The noise is drawn in the adjoint's
@@ -77,7 +78,9 @@ def gaussian_noise(std: float) -> AdjointTransformation:
     adjoint and the key untouched.
 
     Args:
-      std: Python float >= 0.
+      std: Python float >= 0, or a schedule of the step
+        (`eae_jax.passes.schedule`; the key is split on every call then,
+        a value of 0 included).
 
     Returns:
       An `AdjointTransformation` with `NoiseState`.
@@ -94,8 +97,8 @@ def gaussian_noise(std: float) -> AdjointTransformation:
       >>> 0.5e-3 < float(jnp.std(out - g)) < 2e-3
       True
     """
-    std = require_number("gaussian_noise", "std", std, low=0.0)
-    name = f"gaussian_noise({std:g})"
+    scale = hyper("gaussian_noise", "std", std, low=0.0)
+    name = f"gaussian_noise({scale.label})"
 
     def init(spec, key):
         require_float_spec(name, spec)
@@ -108,11 +111,10 @@ def gaussian_noise(std: float) -> AdjointTransformation:
         return NoiseState(key)
 
     def update(adjoint, state, ctx):
-        del ctx
-        if std == 0.0:
+        if scale.fixed and scale.value == 0.0:
             return adjoint, state
         key, sub = jax.random.split(state.key)
         noise = jax.random.normal(sub, adjoint.shape, adjoint.dtype)
-        return adjoint + jnp.asarray(std, adjoint.dtype) * noise, NoiseState(key)
+        return adjoint + scale.at(ctx.step, adjoint.dtype) * noise, NoiseState(key)
 
     return AdjointTransformation(init, update, name)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 import typing
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -80,6 +81,15 @@ class Param:
         return f"{self.name}: {self.kind.__name__}{default}"
 
 
+def _text_kind(hint: Any) -> type:
+    """The type a command-line value of a parameter annotated ``hint`` is
+    parsed as: bool, int or float, else str (Any: a dtype name). A union
+    takes its first of those (``ScalarOrSchedule``: a float; schedules are
+    library-only)."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return next((t for t in options if t in (bool, int, float)), str)
+
+
 @dataclasses.dataclass(frozen=True)
 class PassEntry:
     """A named pass: the factory, the arguments the name fixes (``fp16`` is
@@ -108,9 +118,7 @@ class PassEntry:
         for p in inspect.signature(self.factory).parameters.values():
             if p.name in self.fixed or p.name in NOT_HYPERPARAMETERS:
                 continue
-            kind = hints.get(p.name, str)
-            kind = kind if kind in (bool, int, float) else str  # Any (a dtype name), str
-            out.append(Param(p.name, kind, self.defaults.get(p.name, p.default)))
+            out.append(Param(p.name, _text_kind(hints.get(p.name, str)), self.defaults.get(p.name, p.default)))
         return tuple(out)
 
     def build(self, positional: List[str], keywords: Dict[str, str], item: str):

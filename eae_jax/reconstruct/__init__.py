@@ -52,7 +52,11 @@ The protocol, per segment and per call of the stack:
    storage where this one does not apply. It is the one place a storage
    learns its segment's shapes, and so where shardings would reach it to
    place residuals under a mesh (a choice per mesh included).
-2. Forward, one block: ``save(layout, params, x, side) -> (y, residual)``.
+2. Forward, one block: ``save(layout, params, x, side) -> (y, residual)``;
+   ``y`` is the block's output as `SegmentLayout.call` returns it, which
+   for a stack built with ``block_state=True`` is ``(y, new_state)``
+   (`SegmentLayout.split` takes it apart; a scanned forward returns the
+   states stacked, `SegmentLayout.join`).
 3. Backward, one block: ``restore(layout, params, residual, g, side) ->
    (param grads, input adjoint)``.
 4. A scanned segment runs ``forward(layout, params, x, side)`` and

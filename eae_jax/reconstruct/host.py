@@ -70,13 +70,15 @@ class HostUnrolled(Host):
         i's copy to the host, so at most one boundary is in flight and
         device memory never holds more than two of them.
         """
-        stored, h = [], x
+        stored, states, h = [], [], x
         for i in range(layout.depth):
             p_i = jax.tree_util.tree_map(lambda a, i=i: a[i], params)
             s_i = self.put(h)
-            h, s_i = jax.lax.optimization_barrier((layout.call(p_i, h, side), s_i))
+            y, state = layout.split(layout.call(p_i, h, side))
+            h, s_i = jax.lax.optimization_barrier((y, s_i))
             stored.append(s_i)
-        return h, tuple(stored)
+            states.append(state)
+        return layout.join(h, jax.tree_util.tree_map(lambda *ls: jnp.stack(ls), *states)), tuple(stored)
 
     def backward(self, layout, params, residuals, g, states, at, side):
         """Block i recomputes and takes its VJP while boundary i-1 comes back

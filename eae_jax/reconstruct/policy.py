@@ -68,6 +68,8 @@ class SplitVJP(NamedTuple):
       sources: per residual leaf, ``('param', j)`` / ``('side', j)`` for an
         input passed through (not kept), or ``('kept', k)``.
       float_in: whether the VJP is taken with respect to ``x`` too.
+      state: for a stateful segment the treedef of the block's new state
+        (the forward's last outputs), else None.
 
     >>> import jax.numpy as jnp
     >>> lay = SegmentLayout(Segment(lambda w, x: jnp.tanh(x @ w), "b", False), 1,
@@ -84,12 +86,18 @@ class SplitVJP(NamedTuple):
     residuals: Any
     sources: Tuple[Tuple[str, int], ...]
     float_in: bool
+    state: Any = None
 
-    def save(self, params, x, side) -> Tuple[jax.Array, List[jax.Array]]:
-        """``(y, kept residuals)`` of one block."""
+    def save(self, params, x, side) -> Tuple[Any, List[jax.Array]]:
+        """``(y, kept residuals)`` of one block (``((y, new_state), kept)``
+        for a stateful one)."""
         outs = jaxpr_as_fun(self.forward)(*jax.tree_util.tree_leaves(params), x, *jax.tree_util.tree_leaves(side))
-        y, res = outs[0], outs[1:]
-        return y, [r for r, (src, _) in zip(res, self.sources) if src == "kept"]
+        n = len(self.sources)
+        y, res = outs[0], outs[1:1 + n]
+        kept = [r for r, (src, _) in zip(res, self.sources) if src == "kept"]
+        if self.state is None:
+            return y, kept
+        return (y, jax.tree_util.tree_unflatten(self.state, outs[1 + n:])), kept
 
     def restore(self, params, kept, g, side):
         """``(param grads, input adjoint or None)`` of one block at adjoint ``g``."""
@@ -119,17 +127,19 @@ def split_vjp(layout: SegmentLayout, policy) -> SplitVJP:
     def traced(p_leaves, x, s_leaves):
         params = jax.tree_util.tree_unflatten(p_tree, p_leaves)
         side = jax.tree_util.tree_unflatten(s_tree, s_leaves)
-        block = jax.checkpoint(lambda pp, hh: layout.call(pp, hh, side), policy=policy)
+        # A stateful block's new state is the VJP's aux output: kept from the forward, not differentiated.
+        block = jax.checkpoint(lambda pp, hh: layout.split(layout.call(pp, hh, side)), policy=policy)
         if float_in:
-            return jax.vjp(block, params, x)
-        return jax.vjp(lambda pp: block(pp, x), params)
+            return jax.vjp(block, params, x, has_aux=True)
+        return jax.vjp(lambda pp: block(pp, x), params, has_aux=True)
 
-    closed, (_, pullback_shape) = jax.make_jaxpr(traced, return_shape=True)(p_specs, layout.x, s_specs)
+    closed, (_, pullback_shape, state_shape) = jax.make_jaxpr(traced, return_shape=True)(p_specs, layout.x, s_specs)
     invars = closed.jaxpr.invars
     n_p = len(p_specs)
+    n_state = len(jax.tree_util.tree_leaves(state_shape))
     position = {v: j for j, v in enumerate(invars)}
     sources, kept = [], 0
-    for out in closed.jaxpr.outvars[1:]:
+    for out in closed.jaxpr.outvars[1:len(closed.jaxpr.outvars) - n_state]:
         j = position.get(out) if isinstance(out, Var) else None
         if j is not None and j < n_p:
             sources.append(("param", j))
@@ -138,7 +148,8 @@ def split_vjp(layout: SegmentLayout, policy) -> SplitVJP:
         else:
             sources.append(("kept", kept))
             kept += 1
-    return SplitVJP(closed, jax.tree_util.tree_structure(pullback_shape), tuple(sources), float_in)
+    state = jax.tree_util.tree_structure(state_shape) if layout.segment.stateful else None
+    return SplitVJP(closed, jax.tree_util.tree_structure(pullback_shape), tuple(sources), float_in, state)
 
 
 @dataclasses.dataclass(frozen=True)

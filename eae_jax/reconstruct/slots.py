@@ -55,12 +55,12 @@ class GradSlots(BoundaryStorage):
         def body(carry, xs):
             h, bufs = carry
             p_i, i = xs
-            y = layout.call(p_i, h, side)
-            return (y, grad_slots.pack(plan, self.put(h), bufs, i)), None
+            y, state = layout.split(layout.call(p_i, h, side))
+            return (y, grad_slots.pack(plan, self.put(h), bufs, i)), state
 
-        (h, bufs), _ = jax.lax.scan(body, (x, grad_slots.empty_slots(plan, layout.depth)),
-                                    (params, jnp.arange(layout.depth, dtype=jnp.int32)))
-        return h, bufs
+        (h, bufs), states = jax.lax.scan(body, (x, grad_slots.empty_slots(plan, layout.depth)),
+                                         (params, jnp.arange(layout.depth, dtype=jnp.int32)))
+        return layout.join(h, states), bufs
 
     def backward(self, layout, params, residuals, g, states, at, side):
         """Reverse scan whose carry holds the slot buffers: iteration i reads

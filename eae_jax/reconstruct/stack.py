@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, Literal, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.typing import DTypeLike
 
 from eae_jax import carry as carry_lib
 from eae_jax.passes.base import AdjointTransformation, as_pass, chain, identity
@@ -19,6 +21,13 @@ from eae_jax.reconstruct.storage import OnDevice, Segment, SegmentLayout, Storag
 
 #: How an offloaded scanned run is scheduled (see `reconstruct`'s ``offload``).
 OFFLOAD_SCHEDULES = ("scan", "unrolled")
+
+#: A block: ``fn(params, x) -> y`` or ``fn(params, x, side) -> y`` (``(y, new_state)`` with ``block_state``).
+BlockFn = Callable[..., Any]
+#: What ``passes=`` takes: a pass, an optax transform, or a sequence of them (chained).
+PassLike = Union[AdjointTransformation, optax.GradientTransformation]
+#: A policy name (`resolve_policy`) or a `jax.checkpoint` policy callable.
+PolicyLike = Union[Literal["boundaries", "dots", "dots_all", "everything"], Callable[..., Any], None]
 
 
 class Scan(NamedTuple):
@@ -89,12 +98,13 @@ class Reconstructed:
     """
 
     def __init__(self, segments: List[Segment], passes: AdjointTransformation, storage: List[Storage], stats: bool,
-                 single: bool):
+                 single: bool, block_state: bool = False):
         self.segments = segments
         self.passes = passes
         self.storage = storage  # one per segment, bound to each call's layout by `storages`
         self.collect_stats = stats
         self._single = single  # the user gave one block fn: params is the stacked tree itself
+        self.block_state = block_state  # blocks return (y, new_state); the stack returns (xL, states)
 
     # ------------------------------------------------------------------ layout
     def _param_list(self, params):
@@ -144,8 +154,14 @@ class Reconstructed:
                     f"block {seg.name!r} (block index {index}) failed on input {_fmt(h)} with params "
                     f"{_tree_shapes(p_one)}{_depth_hint(seg, n)}: {err}"
                 ) from err
+            if seg.stateful:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise TypeError(f"block {seg.name!r} must return (y, new_state) (the stack was built with "
+                                    f"block_state=True), got {out}")
+                out = out[0]
             if not isinstance(out, jax.ShapeDtypeStruct):
-                raise TypeError(f"block {seg.name!r} must return one array, got {out}")
+                raise TypeError(f"block {seg.name!r} must return one array" +
+                                (" as y of (y, new_state)" if seg.stateful else "") + f", got {out}")
             if seg.scanned and (out.shape != h.shape or out.dtype != h.dtype):
                 raise ValueError(
                     f"scanned block {seg.name!r} maps {_fmt(h)} to {_fmt(out)} with params {_tree_shapes(p_one)}; "
@@ -188,7 +204,8 @@ class Reconstructed:
         return [store.bind(lay) for store, lay in zip(self.storage, layouts)]
 
     # ------------------------------------------------------------------ carry
-    def init(self, params, x, key: Optional[jax.Array] = None, side=None) -> carry_lib.AdjointCarry:
+    def init(self, params: Any, x: Any, key: Union[jax.Array, int, None] = None,
+             side: Any = None) -> carry_lib.AdjointCarry:
         """Build the carry: one pass state per boundary, step 0, stats slots.
 
         Args:
@@ -223,8 +240,11 @@ class Reconstructed:
         """
         return carry_lib.decode(carry)["state"]
 
-    def update(self, carry: carry_lib.AdjointCarry, carry_grad: carry_lib.AdjointCarry, strict: bool = True):
-        """Fold the carry's cotangent into the next carry.
+    @staticmethod
+    def update(carry: carry_lib.AdjointCarry, carry_grad: carry_lib.AdjointCarry,
+               strict: bool = True) -> Tuple[carry_lib.AdjointCarry, Dict[str, jax.Array]]:
+        """Fold the carry's cotangent into the next carry (a static method:
+        it needs no stack, so ``Reconstructed.update(carry, g)`` works too).
 
         Returns:
           ``(new_carry, stats)`` where stats holds per-boundary float32
@@ -256,17 +276,25 @@ class Reconstructed:
     # ------------------------------------------------------------------ forward / backward
     @staticmethod
     def _forward(layouts, stores, plist, x, side):
-        h, saved = x, []
+        """``(xL, residuals per segment, new block states per segment)``."""
+        h, saved, states = x, [], []
         for lay, store, p in zip(layouts, stores, plist):
             # Named scopes mark each segment's ops in compiled HLO and profiles
             # (eae_jax.train.profile attributes step time by them).
             with jax.named_scope(f"forward.{lay.segment.name}"):
                 if lay.segment.scanned:
-                    h, res = store.forward(lay, p, h, side)
+                    out, res = store.forward(lay, p, h, side)
                 else:
-                    h, res = store.save(lay, p, h, side)
+                    out, res = store.save(lay, p, h, side)
+            h, state = lay.split(out)
             saved.append(res)
-        return h, saved
+            states.append(state)
+        return h, saved, states
+
+    def _output(self, y, states):
+        if not self.block_state:
+            return y
+        return y, (states[0] if self._single else states)
 
     def _backward(self, layouts, stores, plist, saved, carry, side, num, g):
         tree = carry_lib.decode(carry)
@@ -298,8 +326,17 @@ class Reconstructed:
         new_tree = {"step": tree["step"], "state": {"segments": seg_states, "top": top}, "stats": stats}
         return grads, g, carry_lib.encode_like(new_tree, carry, calls=1.0)
 
-    def __call__(self, params, x, carry: Optional[carry_lib.AdjointCarry] = None, side=None):
+    def __call__(self, params: Any, x: Any, carry: Optional[carry_lib.AdjointCarry] = None,
+                 side: Any = None) -> Union[jax.Array, Tuple[jax.Array, Any]]:
         """Apply the stack: ``x0 = x``, ``x(i+1) = block_i(params_i, x_i)``; returns xL.
+
+        With ``block_state=True`` every block returns ``(y, new_state)`` and
+        the stack returns ``(xL, states)``: the new states stacked over the
+        blocks of the (single) scanned run, or a list with one entry per
+        segment. The states come from the forward; the backward recomputes
+        each block from its params as given (the old state in them), so it
+        sees what its forward saw. The states are not differentiated: their
+        cotangent is dropped, as ``lax.stop_gradient`` would.
 
         Args:
           params: the stacked params (one block fn given) or a list with one
@@ -335,7 +372,8 @@ class Reconstructed:
 
         @jax.custom_vjp
         def run(plist, x, carry, side):
-            return self._forward(layouts, stores, plist, x, side)[0]
+            y, _, states = self._forward(layouts, stores, plist, x, side)
+            return self._output(y, states)
 
         def expected():
             return jax.eval_shape(lambda p, x_, s: self.init(p, x_, side=s), params, x, side)
@@ -343,11 +381,13 @@ class Reconstructed:
         def fwd(plist, x, carry, side):
             check_carry(carry, [s.name for s in self.segments], [s.scanned for s in self.segments],
                         [lay.depth for lay in layouts], num, expected)
-            y, saved = self._forward(layouts, stores, plist, x, side)
-            return y, (plist, saved, carry, side)
+            y, saved, states = self._forward(layouts, stores, plist, x, side)
+            return self._output(y, states), (plist, saved, carry, side)
 
         def bwd(res, g):
             plist, saved, carry, side = res
+            if self.block_state:
+                g = g[0]  # the new states' cotangent: not differentiated (see above)
             grads, gx, gcarry = self._backward(layouts, stores, plist, saved, carry, side, num, g)
             return grads, (gx if x_float else None), gcarry, None
 
@@ -379,15 +419,16 @@ def _storage_list(storage, segments: List[Segment]) -> List[Storage]:
 
 
 def reconstruct(
-    blocks: Any,
+    blocks: Union[BlockFn, Scan, Sequence[Union[BlockFn, Scan]]],
     *,
-    passes: Any = None,
-    boundary_dtype: Any = None,
-    offload: Any = False,
-    policy: Any = None,
+    passes: Union[PassLike, Sequence[PassLike], None] = None,
+    boundary_dtype: Optional[DTypeLike] = None,
+    offload: Union[bool, Literal["scan", "unrolled"]] = False,
+    policy: PolicyLike = None,
     stats: bool = True,
     boundaries_in_grads: bool = True,
-    storage: Any = None,
+    storage: Union[Storage, Sequence[Storage], None] = None,
+    block_state: bool = False,
 ) -> Reconstructed:
     """Turn pure block functions into a stack with explicit adjoint execution.
 
@@ -433,6 +474,12 @@ def reconstruct(
         ``boundaries_in_grads``: one `Storage` for every segment, or a list
         with one per segment (see the `eae_jax.reconstruct` package
         docstring for the storages and how to write one).
+      block_state: every block returns ``(y, new_state)`` instead of ``y``
+        (state a block updates as it runs: RNG counters, batch statistics),
+        and the stack returns ``(xL, new states)`` (see
+        `Reconstructed.__call__`). The old state is read from the block's
+        params, so the backward's recomputation of a block sees the state
+        its forward saw (the same dropout mask).
 
     Returns:
       A `Reconstructed` stack.
@@ -455,6 +502,13 @@ def reconstruct(
     ...                     storage=[GradSlots(), OnDevice("bfloat16")])
     >>> [s.kind for s in stack.storages([jnp.ones((3, 2, 2)), jnp.ones((2, 2))], jnp.ones((1, 2)))]
     ['grad_slots', 'device']
+
+    Blocks that update state (here a counter kept in the params):
+
+    >>> stack = reconstruct(lambda p, x: (x * p["w"], p["n"] + 1), block_state=True)
+    >>> y, states = stack({"w": jnp.full((3, 2), 2.0), "n": jnp.arange(3)}, jnp.ones(2))
+    >>> y, states
+    (Array([8., 8.], dtype=float32), Array([1, 2, 3], dtype=int32))
     """
     # One block fn, or one `Scan` (a NamedTuple, not a sequence of blocks):
     # params is the stacked tree itself.
@@ -472,9 +526,10 @@ def reconstruct(
         if isinstance(item, Scan):
             if not callable(item.fn):
                 raise TypeError(f"Scan item {i} holds {item.fn!r}, not a function")
-            segments.append(Segment(item.fn, item.name or f"{getattr(item.fn, '__name__', 'block')}[{i}]", True))
+            segments.append(Segment(item.fn, item.name or f"{getattr(item.fn, '__name__', 'block')}[{i}]", True,
+                                    bool(block_state)))
         elif callable(item):
-            segments.append(Segment(item, f"{getattr(item, '__name__', 'block')}[{i}]", False))
+            segments.append(Segment(item, f"{getattr(item, '__name__', 'block')}[{i}]", False, bool(block_state)))
         else:
             raise TypeError(f"block {i} is {item!r}; expected a function or eae_jax.Scan")
     if passes is None:
@@ -503,4 +558,4 @@ def reconstruct(
             boundary_dtype = parse_compute_dtype(boundary_dtype)
         stores = [_storage_from_flags(resolve_policy(policy), offload, boundary_dtype, bool(boundaries_in_grads))
                   ] * len(segments)
-    return Reconstructed(segments, chain_, stores, stats, single)
+    return Reconstructed(segments, chain_, stores, stats, single, bool(block_state))

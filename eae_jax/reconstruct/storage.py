@@ -23,7 +23,8 @@ class Segment(NamedTuple):
     """One item of the stack as `reconstruct` got it.
 
     ``fn(params, x[, side]) -> y``; ``scanned``: applied over a leading
-    depth axis of its params with `jax.lax.scan`.
+    depth axis of its params with `jax.lax.scan`; ``stateful``: ``fn``
+    returns ``(y, new_state)`` (``reconstruct(..., block_state=True)``).
 
     >>> Segment(lambda p, x: x * p, "scale[0]", False).name
     'scale[0]'
@@ -32,6 +33,7 @@ class Segment(NamedTuple):
     fn: Callable
     name: str
     scanned: bool
+    stateful: bool = False
 
 
 class SegmentLayout(NamedTuple):
@@ -64,17 +66,32 @@ class SegmentLayout(NamedTuple):
         return bool(jnp.issubdtype(self.x.dtype, jnp.floating))
 
     def call(self, params, x, side):
-        """One block of the segment applied to ``x``."""
+        """One block of the segment applied to ``x``, its output as the block
+        returns it: ``y``, or ``(y, new_state)`` for a stateful segment."""
         fn = self.segment.fn
         return fn(params, x) if side is None else fn(params, x, side)
+
+    def split(self, out) -> Tuple[Any, Any]:
+        """A block's output as ``(y, new_state)``; the state is None for a
+        stateless segment."""
+        return (out[0], out[1]) if self.segment.stateful else (out, None)
+
+    def join(self, y, state):
+        """Inverse of `split`: what a stateful segment's forward returns."""
+        return (y, state) if self.segment.stateful else y
+
+    def output(self, params, x, side) -> jax.Array:
+        """``y`` alone: what the backward differentiates (a block's new state
+        is an output of the forward only, not differentiated)."""
+        return self.split(self.call(params, x, side))[0]
 
     def vjp(self, params, x, g, side):
         """Recompute one block from its (device-resident) input ``x`` and pull
         ``g`` back: ``(param grads, input adjoint or None)``."""
         if self.float_in:
-            _, pullback = jax.vjp(lambda pp, hh: self.call(pp, hh, side), params, x)
+            _, pullback = jax.vjp(lambda pp, hh: self.output(pp, hh, side), params, x)
             return pullback(g)
-        _, pullback = jax.vjp(lambda pp: self.call(pp, x, side), params)
+        _, pullback = jax.vjp(lambda pp: self.output(pp, x, side), params)
         (gp,) = pullback(g)
         return gp, None
 
@@ -111,8 +128,10 @@ class Storage:
         del layout
         return self
 
-    def save(self, layout: SegmentLayout, params, x, side) -> Tuple[jax.Array, Any]:
-        """Run one block forward: ``(output, residual for its backward)``."""
+    def save(self, layout: SegmentLayout, params, x, side) -> Tuple[Any, Any]:
+        """Run one block forward: ``(output, residual for its backward)``; the
+        output is `SegmentLayout.call`'s, ``(y, new_state)`` for a stateful
+        segment."""
         raise NotImplementedError
 
     def restore(self, layout: SegmentLayout, params, residual, g, side):
@@ -120,8 +139,17 @@ class Storage:
         raise NotImplementedError
 
     def forward(self, layout: SegmentLayout, params, x, side):
-        """A scanned segment's forward: ``(output, residuals stacked over blocks)``."""
-        return jax.lax.scan(lambda h, p_i: self.save(layout, p_i, h, side), x, params)
+        """A scanned segment's forward: ``(output, residuals stacked over
+        blocks)``; a stateful segment's output is ``(y, new states stacked
+        over blocks)`` (`SegmentLayout.join`)."""
+
+        def body(h, p_i):
+            out, res = self.save(layout, p_i, h, side)
+            y, state = layout.split(out)
+            return y, (res, state)
+
+        y, (res, states) = jax.lax.scan(body, x, params)
+        return layout.join(y, states), res
 
     def backward(self, layout: SegmentLayout, params, residuals, g, states, at: AtBoundary, side):
         """A scanned segment's backward, last block first.

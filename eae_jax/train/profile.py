@@ -14,8 +14,8 @@ plugin or ui.perfetto.dev. The stage table is read back from that trace:
   (gradient sums, metrics) are ``other step ops``; the validation program
   is ``validation``; anything else ``other programs``.
 * Host work is marked with `jax.profiler.TraceAnnotation` (``eae.host.*``:
-  drawing and placing the batch, dispatching the step, logging and
-  validation, checkpoints).
+  drawing and placing the batch, dispatching the step, waiting for it, logging and
+  validation, checkpoints, and around them the training loop's own Python).
 * Each profiled step's window (its `jax.profiler.StepTraceAnnotation`) is
   swept: an instant where device ops run goes to their stages (shared when
   several stages run at once); an instant between the step program's first
@@ -46,6 +46,8 @@ OTHER_STEP = "other step ops"
 VALIDATION = "validation"
 OTHER_PROGRAMS = "other programs"
 UNATTRIBUTED = "unattributed"
+#: The host annotation around a step's loop body; finer ones nest inside it.
+LOOP = "training loop"
 
 
 def parse_profile_steps(spec: str) -> Tuple[int, int]:
@@ -329,7 +331,7 @@ class StepProfiler:
         self.first, self.last = parse_profile_steps(spec)
         self.directory, self.log_fn = directory, log_fn
         self.tracing, self.result = False, None
-        self._step_ctx, self._t0, self._times = None, None, {}
+        self._step_ctx, self._loop_ctx, self._t0, self._times = None, None, None, {}
         self.step_text = self.step_module = self.eval_module = None
 
     def wants(self, step: int) -> bool:
@@ -351,7 +353,15 @@ class StepProfiler:
             self.tracing = True
         self._step_ctx = jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=step)
         self._step_ctx.__enter__()
+        # The loop's own Python between the finer annotations (checks, metrics, progress).
+        self._loop_ctx = jax.profiler.TraceAnnotation(HOST_PREFIX + LOOP)
+        self._loop_ctx.__enter__()
         self._t0 = time.perf_counter()
+
+    def _close_loop(self) -> None:
+        if self._loop_ctx is not None:
+            self._loop_ctx.__exit__(None, None, None)
+            self._loop_ctx = None
 
     def host(self, name: str):
         """A context marking host work ``name`` (a no-op when not tracing)."""
@@ -369,8 +379,11 @@ class StepProfiler:
             return
         import jax
 
+        self._close_loop()
         if sync is not None:
-            jax.block_until_ready(sync)
+            # The host idles here until the device is done: time the trace shows as this wait.
+            with self.host("wait for the step"):
+                jax.block_until_ready(sync)
         self._times[step] = time.perf_counter() - self._t0
         self._step_ctx.__exit__(None, None, None)
         self._step_ctx = None
@@ -383,6 +396,7 @@ class StepProfiler:
             return
         import jax
 
+        self._close_loop()
         if self._step_ctx is not None:
             self._step_ctx.__exit__(None, None, None)
             self._step_ctx = None

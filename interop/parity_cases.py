@@ -182,8 +182,29 @@ def _tokens_for(cfg: LMConfig, batch: int, seq: int, seed: int, tokens: Optional
     return tokens
 
 
-def _lm_case_common(cfg: LMConfig, params: dict, tokens: np.ndarray, perturb: float, seed: int):
-    jparams = _perturb(params, perturb, seed)
+class _LMCase(NamedTuple):
+    """What the two LM cases share: the model and params in the case's dtype, and the loss pieces."""
+
+    dtype: str
+    model: Any
+    t_in: Any
+    jparams: dict
+    jax_pre: Callable
+    jax_logits: Callable
+    jax_post: Callable
+    torch_ce: Callable
+
+
+def _lm_case_common(model: Any, params: dict, cfg: LMConfig, dtype: str, batch: int, seq: int, seed: int,
+                    tokens: Optional[np.ndarray], perturb: float) -> _LMCase:
+    """Check the dtype, draw the tokens, put a copy of the torch model and the params in the dtype, and
+    build the loss of both sides (summed next-token cross-entropy)."""
+    import copy
+
+    dtype = _check_dtype(dtype)
+    tokens = _tokens_for(cfg, batch, seq, seed, tokens)
+    model = copy.deepcopy(model).to(_torch_dtype(dtype)).eval()
+    jparams = _perturb(_cast_tree(params, dtype), perturb, seed)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     j_in, j_tg = jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32)
     t_tg = torch.from_numpy(targets)
@@ -205,7 +226,7 @@ def _lm_case_common(cfg: LMConfig, params: dict, tokens: np.ndarray, perturb: fl
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), t_tg.reshape(-1),
                                                  reduction="sum")
 
-    return jparams, inputs, jax_pre, jax_logits, jax_post, torch_ce
+    return _LMCase(dtype, model, torch.from_numpy(inputs), jparams, jax_pre, jax_logits, jax_post, torch_ce)
 
 
 def seed_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float32", batch: int = 2, seq: int = 32,
@@ -217,23 +238,17 @@ def seed_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float
     ``model`` and ``params`` must hold the same weights (e.g. both from one
     checkpoint import); the model is converted to ``dtype`` on a deep copy.
     """
-    import copy
-
-    dtype = _check_dtype(dtype)
-    tokens = _tokens_for(cfg, batch, seq, seed, tokens)
-    model = copy.deepcopy(model).to(_torch_dtype(dtype)).eval()
-    params = _cast_tree(params, dtype)
-    jparams, inputs, jax_pre, jax_logits, jax_post, torch_ce = _lm_case_common(cfg, params, tokens, perturb, seed)
-    t_in = torch.from_numpy(inputs)
+    c = _lm_case_common(model, params, cfg, dtype, batch, seq, seed, tokens, perturb)
+    model, t_in = c.model, c.t_in
     named = _named_block_params(model.blocks, SEED_BLOCK)
     named["embed"] = model.embed.weight
     named["final_norm.scale"] = model.norm.weight
     if model.head is not None:
         named["lm_head"] = model.head.weight
     return ParityCase(
-        title, dtype, list(model.blocks), lambda: model.embed(t_in), lambda y: torch_ce(model.logits(y)), named,
-        jparams, decoder_block(cfg.block), jax_pre, jax_post, torch_logits=model.logits, jax_logits=jax_logits,
-        torch_model_logits=lambda: model(t_in))
+        title, c.dtype, list(model.blocks), lambda: model.embed(t_in), lambda y: c.torch_ce(model.logits(y)), named,
+        c.jparams, decoder_block(cfg.block), c.jax_pre, c.jax_post, torch_logits=model.logits,
+        jax_logits=c.jax_logits, torch_model_logits=lambda: model(t_in))
 
 
 class _HFLayer(torch.nn.Module):
@@ -262,14 +277,8 @@ def hf_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float32
     (``rope_style='half'``). The forward section also compares the logits of
     the unmodified ``model(tokens)`` call, so the per-layer wrapping used for
     the boundaries is itself checked against the real model."""
-    import copy
-
-    dtype = _check_dtype(dtype)
-    tokens = _tokens_for(cfg, batch, seq, seed, tokens)
-    model = copy.deepcopy(model).to(_torch_dtype(dtype)).eval()
-    params = _cast_tree(params, dtype)
-    jparams, inputs, jax_pre, jax_logits, jax_post, torch_ce = _lm_case_common(cfg, params, tokens, perturb, seed)
-    t_in = torch.from_numpy(inputs)
+    c = _lm_case_common(model, params, cfg, dtype, batch, seq, seed, tokens, perturb)
+    model, t_in = c.model, c.t_in
     inner = model.model
     blocks = [_HFLayer(layer, inner.rotary_emb) for layer in inner.layers]
     named = {}
@@ -285,9 +294,10 @@ def hf_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float32
     def torch_logits(y):
         return model.lm_head(inner.norm(y)).float()
 
-    return ParityCase(title, dtype, blocks, lambda: inner.embed_tokens(t_in), lambda y: torch_ce(torch_logits(y)),
-                      named, jparams, decoder_block(cfg.block), jax_pre, jax_post, torch_logits=torch_logits,
-                      jax_logits=jax_logits, torch_model_logits=lambda: model(t_in).logits)
+    return ParityCase(title, c.dtype, blocks, lambda: inner.embed_tokens(t_in),
+                      lambda y: c.torch_ce(torch_logits(y)), named, c.jparams, decoder_block(cfg.block), c.jax_pre,
+                      c.jax_post, torch_logits=torch_logits, jax_logits=c.jax_logits,
+                      torch_model_logits=lambda: model(t_in).logits)
 
 
 def checkpoint_case(path: str, *, dtype: str = "float32", batch: int = 2, seq: int = 16, seed: int = 0,

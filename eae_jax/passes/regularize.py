@@ -90,10 +90,11 @@ def gaussian_noise(std: ScalarOrSchedule) -> AdjointTransformation:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from eae_jax.passes import gaussian_noise
+      >>> from eae_jax.passes import PassContext, gaussian_noise
       >>> p = gaussian_noise(1e-3)
       >>> g = jnp.ones(1000)
-      >>> out, state = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), jax.random.key(0)), None)
+      >>> ctx = PassContext(boundary=jnp.int32(1), block=jnp.int32(1), step=jnp.int32(0), num_boundaries=2)
+      >>> out, state = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), jax.random.key(0)), ctx)
       >>> 0.5e-3 < float(jnp.std(out - g)) < 2e-3
       True
     """

@@ -306,6 +306,16 @@ def run_parity(case: ParityCase, *, pipelines: Sequence[str] = PIPELINES, tol: O
 
     Raises:
       ValueError: unknown pipeline, or the two sides do not name the same parameters.
+
+    Example:
+      >>> import torch
+      >>> from eae_runtime.contrib import PreNormTransformerBlock
+      >>> from interop.parity import blocks_case, run_parity
+      >>> _ = torch.manual_seed(0)
+      >>> blocks = torch.nn.ModuleList([PreNormTransformerBlock(8, 2, max_seq_len=8, ffn_hidden_dim=16)])
+      >>> report = run_parity(blocks_case(blocks, batch=1, seq=4), pipelines=["none"])
+      >>> report.ok, sorted({row.section.split("[")[0] for row in report.rows})
+      (True, ['adjoint', 'forward', 'grad', 'vjp'])
     """
     for p in pipelines:
         if p not in PIPELINES:

@@ -43,6 +43,16 @@ class ParityCase(NamedTuple):
       torch_model_logits: optional ``() -> logits`` of the unmodified torch
         model's own forward on the same tokens, for a second logits row that
         checks the per-block decomposition used on the torch side.
+
+    Example:
+      >>> import torch
+      >>> from eae_runtime.contrib import PreNormTransformerBlock
+      >>> from interop.parity import blocks_case, run_parity
+      >>> _ = torch.manual_seed(0)
+      >>> blocks = torch.nn.ModuleList([PreNormTransformerBlock(8, 2, max_seq_len=8, ffn_hidden_dim=16)])
+      >>> case = blocks_case(blocks, batch=1, seq=4)
+      >>> case.dtype, len(case.torch_blocks), case.jax_params["blocks"]["attn"]["wq"].shape
+      ('float32', 1, (1, 8, 8))
     """
 
     title: str
@@ -118,6 +128,17 @@ def blocks_case(blocks: Any, *, dtype: str = "float32", batch: int = 2, seq: int
         modules are left alone.
       perturb: relative noise added to block 0's wq on the JAX side only
         (to demonstrate a failing run).
+
+    Example:
+      >>> import torch
+      >>> from eae_runtime.contrib import PreNormTransformerBlock
+      >>> from interop.parity import blocks_case, run_parity
+      >>> _ = torch.manual_seed(0)
+      >>> blocks = torch.nn.ModuleList([PreNormTransformerBlock(8, 2, max_seq_len=8, ffn_hidden_dim=16)])
+      >>> case = blocks_case(blocks, batch=1, seq=4, seed=3)
+      >>> x0 = case.torch_pre()
+      >>> tuple(x0.shape), float(case.torch_post(blocks[0](x0))) > 0       # a summed squared error
+      ((1, 4, 8), True)
     """
     import copy
 
@@ -237,18 +258,33 @@ def seed_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float
     Loss: summed next-token cross-entropy on ``tokens`` (random ids by default).
     ``model`` and ``params`` must hold the same weights (e.g. both from one
     checkpoint import); the model is converted to ``dtype`` on a deep copy.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm
+      >>> from interop.parity import run_parity
+      >>> from interop.parity_cases import seed_lm_case
+      >>> from interop.reference import seed_lm_from_params
+      >>> cfg = LMConfig(32, 1, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16, max_seq_len=8))
+      >>> params = init_lm(jax.random.key(0), cfg)
+      >>> report = run_parity(seed_lm_case(seed_lm_from_params(params, cfg), params, cfg, batch=1, seq=4),
+      ...                     pipelines=[])
+      >>> report.ok
+      True
     """
-    c = _lm_case_common(model, params, cfg, dtype, batch, seq, seed, tokens, perturb)
-    model, t_in = c.model, c.t_in
+    common = _lm_case_common(model, params, cfg, dtype, batch, seq, seed, tokens, perturb)
+    model, t_in = common.model, common.t_in
     named = _named_block_params(model.blocks, SEED_BLOCK)
     named["embed"] = model.embed.weight
     named["final_norm.scale"] = model.norm.weight
     if model.head is not None:
         named["lm_head"] = model.head.weight
     return ParityCase(
-        title, c.dtype, list(model.blocks), lambda: model.embed(t_in), lambda y: c.torch_ce(model.logits(y)), named,
-        c.jparams, decoder_block(cfg.block), c.jax_pre, c.jax_post, torch_logits=model.logits,
-        jax_logits=c.jax_logits, torch_model_logits=lambda: model(t_in))
+        title, common.dtype, list(model.blocks), lambda: model.embed(t_in),
+        lambda y: common.torch_ce(model.logits(y)), named, common.jparams, decoder_block(cfg.block), common.jax_pre,
+        common.jax_post, torch_logits=model.logits, jax_logits=common.jax_logits,
+        torch_model_logits=lambda: model(t_in))
 
 
 class _HFLayer(torch.nn.Module):
@@ -276,16 +312,30 @@ def hf_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float32
     """Parity case for a ``transformers`` LlamaForCausalLM vs eae_jax LM params
     (``rope_style='half'``). The forward section also compares the logits of
     the unmodified ``model(tokens)`` call, so the per-layer wrapping used for
-    the boundaries is itself checked against the real model."""
-    c = _lm_case_common(model, params, cfg, dtype, batch, seq, seed, tokens, perturb)
-    model, t_in = c.model, c.t_in
+    the boundaries is itself checked against the real model.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm
+      >>> from interop.parity import run_parity
+      >>> from interop.hf_llama import to_transformers
+      >>> from interop.parity_cases import hf_lm_case
+      >>> cfg = LMConfig(32, 1, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16, max_seq_len=8, rope_style="half"))
+      >>> params = init_lm(jax.random.key(0), cfg)
+      >>> report = run_parity(hf_lm_case(to_transformers(params, cfg), params, cfg, batch=1, seq=4), pipelines=[])
+      >>> report.ok, any(row.name == "model(tokens)" or "logits" in row.name for row in report.rows)
+      (True, True)
+    """
+    common = _lm_case_common(model, params, cfg, dtype, batch, seq, seed, tokens, perturb)
+    model, t_in = common.model, common.t_in
     inner = model.model
     blocks = [_HFLayer(layer, inner.rotary_emb) for layer in inner.layers]
     named = {}
     for i, layer in enumerate(inner.layers):
         for k, p in layer.named_parameters():
-            a, c = HF_BLOCK.keys[k]
-            named[f"blocks.{i}.{a}.{c}"] = p
+            module, leaf = HF_BLOCK.keys[k]
+            named[f"blocks.{i}.{module}.{leaf}"] = p
     named["embed"] = inner.embed_tokens.weight
     named["final_norm.scale"] = inner.norm.weight
     if not cfg.tie_embeddings:
@@ -294,9 +344,9 @@ def hf_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float32
     def torch_logits(y):
         return model.lm_head(inner.norm(y)).float()
 
-    return ParityCase(title, c.dtype, blocks, lambda: inner.embed_tokens(t_in),
-                      lambda y: c.torch_ce(torch_logits(y)), named, c.jparams, decoder_block(cfg.block), c.jax_pre,
-                      c.jax_post, torch_logits=torch_logits, jax_logits=c.jax_logits,
+    return ParityCase(title, common.dtype, blocks, lambda: inner.embed_tokens(t_in),
+                      lambda y: common.torch_ce(torch_logits(y)), named, common.jparams, decoder_block(cfg.block),
+                      common.jax_pre, common.jax_post, torch_logits=torch_logits, jax_logits=common.jax_logits,
                       torch_model_logits=lambda: model(t_in).logits)
 
 
@@ -312,6 +362,21 @@ def checkpoint_case(path: str, *, dtype: str = "float32", batch: int = 2, seq: i
 
     Raises:
       UnknownFormatError (and the loaders' errors) for anything else.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm
+      >>> from interop.parity import run_parity
+      >>> import os, tempfile
+      >>> from interop.llama2c import lm_config_from_model_args, save_llama2c_bin
+      >>> from interop.parity_cases import checkpoint_case
+      >>> cfg = lm_config_from_model_args({"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 32, "hidden_dim": 16,
+      ...                                  "max_seq_len": 8})
+      >>> path = os.path.join(tempfile.mkdtemp(), "m.bin")
+      >>> save_llama2c_bin(path, init_lm(jax.random.key(0), cfg), cfg)
+      >>> run_parity(checkpoint_case(path, batch=1, seq=4), pipelines=[]).ok
+      True
     """
     from interop.errors import UnknownFormatError
     from interop.safe_load import detect_format, load_torch_file

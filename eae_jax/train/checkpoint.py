@@ -29,7 +29,19 @@ _TMP_PID = re.compile(r"^\.ckpt_tmp_(\d+)_")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable, or does not fit the expected state."""
+    """A checkpoint is missing, unreadable, or does not fit the expected state.
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> path = checkpoint.save(d, 1, {"w": np.ones(2)})
+      >>> try:
+      ...     checkpoint.restore(path, {"w": np.ones(3)})
+      ... except checkpoint.CheckpointError as err:
+      ...     print(type(err).__name__, isinstance(err, ValueError))
+      CheckpointError True
+    """
 
 
 def _flatten(tree: Any) -> dict:
@@ -61,6 +73,16 @@ def remove_stale_temporaries(directory: str, max_age_s: float = 24 * 3600.0) -> 
     A temporary is stale when the process that named it (its pid is in the
     name) is gone, or, without a pid in the name, when it is older than
     ``max_age_s``. A live writer's file is never touched.
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> stale = os.path.join(d, ".ckpt_tmp_old.npz")                # no pid in the name: judged by age
+      >>> _ = open(stale, "wb").write(b"half written")
+      >>> os.utime(stale, (0, 0))
+      >>> [os.path.basename(p) for p in checkpoint.remove_stale_temporaries(d)]
+      ['.ckpt_tmp_old.npz']
     """
     removed = []
     if not os.path.isdir(directory):
@@ -97,6 +119,15 @@ def save(directory: str, step: int, tree: Any, metadata: Optional[dict] = None, 
 
     Returns:
       The path written.
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> for step in (1, 2, 3):
+      ...     path = checkpoint.save(d, step, {"w": np.full(2, step)}, {"step": step}, keep=2)
+      >>> os.path.basename(path), [os.path.basename(p) for p in checkpoint.list_checkpoints(d)]
+      ('ckpt_00000003.npz', ['ckpt_00000002.npz', 'ckpt_00000003.npz'])
     """
     os.makedirs(directory, exist_ok=True)
     arrays = _flatten(tree)
@@ -129,7 +160,16 @@ def save(directory: str, step: int, tree: Any, metadata: Optional[dict] = None, 
 
 def list_checkpoints(directory: str) -> list:
     """Complete checkpoints in ``directory``, oldest first (files only: a directory under a
-    checkpoint's name, say another tool's partial write, is neither resumed nor pruned)."""
+    checkpoint's name, say another tool's partial write, is neither resumed nor pruned).
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> _ = checkpoint.save(d, 10, {"w": np.ones(2)}); _ = checkpoint.save(d, 9, {"w": np.ones(2)})
+      >>> [os.path.basename(p) for p in checkpoint.list_checkpoints(d)]
+      ['ckpt_00000009.npz', 'ckpt_00000010.npz']
+    """
     if not os.path.isdir(directory):
         return []
     names = sorted(n for n in os.listdir(directory) if _NAME.match(n) and os.path.isfile(os.path.join(directory, n)))
@@ -137,13 +177,37 @@ def list_checkpoints(directory: str) -> list:
 
 
 def latest(directory: str) -> Optional[str]:
-    """Path of the newest checkpoint, or None."""
+    """Path of the newest checkpoint, or None.
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> checkpoint.latest(d) is None
+      True
+      >>> _ = checkpoint.save(d, 4, {"w": np.ones(2)})
+      >>> os.path.basename(checkpoint.latest(d))
+      'ckpt_00000004.npz'
+    """
     found = list_checkpoints(directory)
     return found[-1] if found else None
 
 
 class UnreadableCheckpointError(CheckpointError):
-    """A checkpoint file cannot be read at all (not an archive, damaged, truncated)."""
+    """A checkpoint file cannot be read at all (not an archive, damaged, truncated).
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> path = os.path.join(d, "ckpt_00000001.npz")
+      >>> _ = open(path, "wb").write(b"not a zip archive")
+      >>> try:
+      ...     checkpoint.load(path)
+      ... except checkpoint.UnreadableCheckpointError:
+      ...     print("unreadable")
+      unreadable
+    """
 
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -160,6 +224,15 @@ def load(path: str) -> tuple:
         message says which; never numpy's pickle advice: checkpoints hold
         no pickles and are never loaded with ``allow_pickle``).
       CheckpointError: a bad metadata entry.
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> path = checkpoint.save(d, 5, {"w": np.arange(3.0)}, {"step": 5})
+      >>> arrays, meta = checkpoint.load(path)
+      >>> meta["step"], [a.tolist() for a in arrays.values()]
+      (5, [[0.0, 1.0, 2.0]])
     """
     try:
         with open(path, "rb") as f:
@@ -188,13 +261,29 @@ def read_metadata(path: str) -> dict:
 
     Raises:
       CheckpointError: unreadable file or metadata entry.
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> checkpoint.read_metadata(checkpoint.save(d, 2, {"w": np.ones(1)}, {"run": "a"}))["run"]
+      'a'
     """
     return load(path)[1]
 
 
 def set_aside(path: str) -> str:
     """Rename an unreadable checkpoint to ``<path>.unreadable`` (``.unreadable.1`` ... when
-    taken) and return the new path: kept for inspection, never resumed, pruned or overwritten."""
+    taken) and return the new path: kept for inspection, never resumed, pruned or overwritten.
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> path = checkpoint.save(d, 1, {"w": np.ones(1)})
+      >>> os.path.basename(checkpoint.set_aside(path)), checkpoint.list_checkpoints(d)
+      ('ckpt_00000001.npz.unreadable', [])
+    """
     target, n = f"{path}.unreadable", 0
     while os.path.exists(target):
         n += 1
@@ -206,7 +295,18 @@ def set_aside(path: str) -> str:
 def newest_readable(directory: str) -> tuple:
     """``(path, arrays, metadata, unreadable)`` of the newest checkpoint of ``directory``
     that `load` reads; ``unreadable`` lists ``(path, error)`` of the newer ones it skipped.
-    ``path`` is None when there is none (``unreadable`` then lists every checkpoint)."""
+    ``path`` is None when there is none (``unreadable`` then lists every checkpoint).
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> good = checkpoint.save(d, 1, {"w": np.ones(1)})
+      >>> _ = open(os.path.join(d, "ckpt_00000002.npz"), "wb").write(b"torn")
+      >>> path, arrays, meta, unreadable = checkpoint.newest_readable(d)
+      >>> path == good, [os.path.basename(p) for p, _ in unreadable]
+      (True, ['ckpt_00000002.npz'])
+    """
     unreadable = []
     for path in reversed(list_checkpoints(directory)):
         try:
@@ -237,6 +337,15 @@ def restore(path: str, template: Any) -> tuple:
     Raises:
       CheckpointError: unreadable/truncated file, or missing, unexpected or
         mis-shaped entries (all listed in one message).
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> path = checkpoint.save(d, 1, {"w": np.arange(2.0), "b": np.zeros(1)})
+      >>> tree, meta = checkpoint.restore(path, {"w": np.zeros(2, np.float32), "b": np.zeros(1, np.float32)})
+      >>> tree["w"].tolist(), tree["w"].dtype
+      ([0.0, 1.0], dtype('float32'))
     """
     arrays, meta = load(path)
     return fit(path, arrays, template), meta
@@ -251,6 +360,15 @@ def fit(path: str, stored: dict, template: Any) -> Any:
     Raises:
       CheckpointError: missing, unexpected or mis-shaped entries (all
         listed in one message naming ``path``).
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from eae_jax.train import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> path = checkpoint.save(d, 1, {"w": np.arange(2.0)})
+      >>> arrays, _ = checkpoint.load(path)
+      >>> checkpoint.fit(path, arrays, {"w": np.zeros(2, np.float16)})["w"].dtype
+      dtype('float16')
     """
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
     problems, leaves = [], []

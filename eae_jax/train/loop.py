@@ -36,6 +36,15 @@ class TrainState(NamedTuple):
 
     ``fp8`` holds the fp8 seams' state (scales and fallback ledgers, one per
     layer) for fp8 runs, else None.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.loop import build
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
+      >>> model, stack, tx, bound, state = build(cfg)
+      >>> int(state.step), sorted(state.params), state.fp8 is None
+      (0, ['blocks', 'embed', 'final_norm', 'lm_head'], True)
     """
 
     step: jax.Array
@@ -47,7 +56,19 @@ class TrainState(NamedTuple):
 
 
 def segment_params(params: dict, fp8_state: Any, model) -> list:
-    """The LM stack's segment params, with the fp8 seam state beside the blocks when there is one."""
+    """The LM stack's segment params, with the fp8 seam state beside the blocks when there is one.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.loop import build
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
+      >>> from eae_jax.train.loop import segment_params
+      >>> model, stack, tx, bound, state = build(cfg)
+      >>> segments = segment_params(state.params, None, model)     # embedding, blocks, head
+      >>> len(segments), segments[1] is state.params["blocks"]
+      (3, True)
+    """
     embed_p, blocks, head_p = split_params(params, model)
     return [embed_p, blocks if fp8_state is None else {"params": blocks, "fp8": fp8_state}, head_p]
 
@@ -59,6 +80,20 @@ def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array, source: Opti
     token file ``source`` when given, else the synthetic task), embedded by
     the initial params. Raises `eae_jax.fp8.GateRefused` when a seam misses
     the parity gate.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.loop import build
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
+      >>> from eae_jax.models import init_lm
+      >>> from eae_jax.train.loop import bind_fp8
+      >>> cfg8 = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8,
+      ...                    dtype="fp8_e4m3")
+      >>> model = cfg8.model()
+      >>> bound = bind_fp8(cfg8, model, init_lm(jax.random.key(0), model), jax.random.key(1))
+      >>> sorted(bound.seams)
+      ['ffn', 'o', 'qkv']
     """
     from eae_jax import fp8
     from eae_jax.models.llama import embed
@@ -71,7 +106,15 @@ def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array, source: Opti
 
 def lr_schedule(cfg: TrainConfig, steps: Optional[int] = None) -> optax.Schedule:
     """Linear warm-up to ``cfg.lr`` over ``cfg.warmup`` steps, then cosine decay
-    to a tenth of it at step ``steps`` (default ``cfg.steps``)."""
+    to a tenth of it at step ``steps`` (default ``cfg.steps``).
+
+    Example:
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.loop import lr_schedule
+      >>> schedule = lr_schedule(TrainConfig(lr=1e-3, warmup=10, steps=100))
+      >>> [round(float(schedule(s)), 6) for s in (0, 5, 10, 100)]        # warm-up, peak, a tenth at the end
+      [0.0, 0.0005, 0.001, 0.0001]
+    """
     warmup = max(cfg.warmup, 1)
     steps = cfg.steps if steps is None else steps
     # decay_steps counts the warm-up and must exceed it (steps=1 with warmup=0 used to raise in optax)
@@ -79,7 +122,20 @@ def lr_schedule(cfg: TrainConfig, steps: Optional[int] = None) -> optax.Schedule
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with `lr_schedule`, global-norm clipping first."""
+    """AdamW with `lr_schedule`, global-norm clipping first.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.loop import make_optimizer
+      >>> tx = make_optimizer(TrainConfig(lr=1e-3, warmup=1, steps=10, grad_clip=1.0))
+      >>> params, opt_state = {"w": jnp.ones(2)}, None
+      >>> opt_state = tx.init(params)
+      >>> for _ in range(2):                               # step 0 is the warm-up's lr 0
+      ...     updates, opt_state = tx.update({"w": jnp.full(2, 100.0)}, opt_state, params)
+      >>> [round(float(u), 6) for u in updates["w"]]      # Adam's unit step times the peak lr
+      [-0.001, -0.001]
+    """
     schedule = lr_schedule(cfg)
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
     return optax.chain(*parts, optax.adamw(schedule, weight_decay=cfg.weight_decay))
@@ -96,6 +152,20 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
     they were and sets ``metrics['fp8_step_rejected']``: the caller reruns
     the step in high precision (a step built without ``bound_fp8``, which
     passes the fp8 state through untouched).
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.loop import build
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.train.loop import make_train_step
+      >>> model, stack, tx, bound, state = build(cfg)
+      >>> step = jax.jit(make_train_step(cfg, stack, tx, model))
+      >>> tokens = jnp.arange(18, dtype=jnp.int32).reshape(1, 2, 9) % 32      # (microbatches, batch, seq_len + 1)
+      >>> state, metrics = step(state, tokens)
+      >>> int(state.step), bool(jnp.isfinite(metrics["loss"]))
+      (1, True)
     """
     accum_dtype = parse_compute_dtype(cfg.grad_accum_dtype)
     step_fallback = bound_fp8 is not None and bound_fp8.fallback == "step"
@@ -196,7 +266,19 @@ def _keys(cfg: TrainConfig):
 
 
 def init_state(cfg: TrainConfig, model, stack, tx, bound_fp8=None, params=None) -> TrainState:
-    """Fresh params (unless given), optimizer state, adjoint carry and fp8 state from ``cfg.seed``."""
+    """Fresh params (unless given), optimizer state, adjoint carry and fp8 state from ``cfg.seed``.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.loop import build
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
+      >>> from eae_jax.train.loop import init_state
+      >>> model, stack, tx, bound, state = build(cfg)
+      >>> again = init_state(cfg, model, stack, tx)                 # the same seed: the same params
+      >>> bool((again.params["embed"] == state.params["embed"]).all())
+      True
+    """
     k_params, k_carry, k_data = _keys(cfg)
     params = init_lm(k_params, model) if params is None else params
     fp8_state = None if bound_fp8 is None else bound_fp8.state
@@ -210,6 +292,15 @@ def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional
 
     ``source``: the run's token file (None: the synthetic task), for the fp8 calibration batch.
     ``params``: the initial params (``--init``); None draws them from ``cfg.seed``.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.loop import build
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
+      >>> model, stack, tx, bound, state = build(cfg)
+      >>> model.depth, model.block.dim, bound is None, int(state.step)
+      (1, 16, True, 0)
     """
     model = cfg.model()
     tx = make_optimizer(cfg)
@@ -220,7 +311,21 @@ def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional
 
 
 def make_stack(cfg: TrainConfig, model, bound_fp8=None):
-    """The run's reconstruct stack, with ``bound_fp8``'s block when given."""
+    """The run's reconstruct stack, with ``bound_fp8``'s block when given.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.loop import build
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.models import split_params
+      >>> from eae_jax.train.loop import make_stack
+      >>> model, _, _, _, state = build(cfg)
+      >>> stack = make_stack(cfg, model)
+      >>> stack(split_params(state.params, model), jnp.zeros((2, 8), jnp.int32)).shape
+      (2, 8, 32)
+    """
     return lm_stack(model, block_fn=None if bound_fp8 is None else bound_fp8.block_fn(),
                     passes=parse_passes(cfg.passes), boundary_dtype=cfg.boundary_dtype, policy=cfg.policy,
                     offload=cfg.offload)
@@ -313,6 +418,15 @@ def train(cfg: TrainConfig, log_fn=print, until: Optional[int] = None) -> dict:
       PermissionError / RunWriteError: ``out`` cannot be written (up front),
         or a write failed mid-run (the message names the step and file).
       FloatingPointError: the run diverged (the last good checkpoint is kept).
+
+    Example:
+      >>> import tempfile
+      >>> from eae_jax.train import TrainConfig, train
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=2,
+      ...                   out=tempfile.mkdtemp(), log_every=1, plot=False, quiet=True)
+      >>> summary = train(cfg, log_fn=lambda message: None)
+      >>> summary["steps"], summary["steps_run"], summary["resumed_from"]
+      (2, 2, None)
     """
     # Fail on a bad --out, --data or --devices before building (and compiling) anything.
     ckpt_dir = prepare_out(cfg.out)

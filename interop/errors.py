@@ -122,16 +122,16 @@ class UnknownFormatError(InteropError):
     """The file (or object) is not any of the supported checkpoint formats.
 
     Example:
-      >>> import os, tempfile
-      >>> import interop
+      >>> import interop, os, tempfile
       >>> from interop.errors import UnknownFormatError
-      >>> path = os.path.join(tempfile.mkdtemp(), "notes.txt")
-      >>> _ = open(path, "w").write("not a checkpoint")
+      >>> folder = tempfile.mkdtemp()
+      >>> with open(os.path.join(folder, "notes.txt"), "w") as f:
+      ...     _ = f.write("not a checkpoint")
       >>> try:
-      ...     interop.load_checkpoint(path)
-      ... except UnknownFormatError:
-      ...     print("unknown")
-      unknown
+      ...     interop.load_checkpoint(os.path.join(folder, "notes.txt"))
+      ... except UnknownFormatError as err:
+      ...     print(type(err).__name__)
+      UnknownFormatError
     """
 
 

@@ -78,13 +78,12 @@ def init_lm(key: jax.Array, cfg: LMConfig, dtype=jnp.float32) -> dict:
     """Random params for ``cfg`` (embedding ~ N(0, 1), blocks as `init_stack`).
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax
       >>> from eae_jax.blocks import BlockConfig
       >>> from eae_jax.models import LMConfig, init_lm
-      >>> cfg = LMConfig(vocab_size=16, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
-      >>> params = init_lm(jax.random.key(0), cfg)
-      >>> {k: getattr(v, "shape", None) for k, v in params.items() if k != "blocks"}
-      {'embed': (16, 8), 'final_norm': None, 'lm_head': (16, 8)}
+      >>> params = init_lm(jax.random.key(0), LMConfig(16, 2, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16)))
+      >>> sorted(params), params["embed"].shape
+      (['blocks', 'embed', 'final_norm', 'lm_head'], (16, 8))
       >>> params["blocks"]["attn"]["wq"].shape                       # stacked over the depth
       (2, 8, 8)
     """
@@ -105,12 +104,10 @@ def check_lm_params(params: Any, cfg: LMConfig) -> None:
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from eae_jax.blocks import BlockConfig
-      >>> from eae_jax.models import LMConfig, init_lm
-      >>> cfg = LMConfig(vocab_size=16, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
-      >>> params = init_lm(jax.random.key(0), cfg)
-      >>> from eae_jax.models import check_lm_params
-      >>> check_lm_params(params, cfg)                               # fits: nothing raised
-      >>> check_lm_params({**params, "embed": params["embed"][:4]}, cfg)
+      >>> from eae_jax.models import LMConfig, check_lm_params, init_lm
+      >>> cfg = LMConfig(16, 1, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
+      >>> check_lm_params(init_lm(jax.random.key(0), cfg), cfg)      # fits: nothing raised
+      >>> check_lm_params({"embed": jnp.zeros((4, 8))}, cfg)
       Traceback (most recent call last):
       ...
       ValueError: ...embed...
@@ -207,11 +204,9 @@ def lm_apply(params: dict, tokens: jax.Array, cfg: LMConfig, remat_policy: Any =
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from eae_jax.blocks import BlockConfig
-      >>> from eae_jax.models import LMConfig, init_lm
-      >>> cfg = LMConfig(vocab_size=16, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
-      >>> params = init_lm(jax.random.key(0), cfg)
-      >>> from eae_jax.models import lm_apply
-      >>> logits = lm_apply(params, jnp.zeros((2, 5), jnp.int32), cfg)
+      >>> from eae_jax.models import LMConfig, init_lm, lm_apply
+      >>> cfg = LMConfig(vocab_size=16, depth=1, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
+      >>> logits = lm_apply(init_lm(jax.random.key(0), cfg), jnp.zeros((2, 5), jnp.int32), cfg)
       >>> logits.shape, logits.dtype
       ((2, 5, 16), dtype('float32'))
     """
@@ -273,14 +268,11 @@ def lm_stack(cfg: LMConfig, block_fn=None, **reconstruct_kwargs):
 
     Example:
       >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.models import LMConfig, init_lm, lm_apply, lm_stack, split_params
       >>> from eae_jax.blocks import BlockConfig
-      >>> from eae_jax.models import LMConfig, init_lm
-      >>> cfg = LMConfig(vocab_size=16, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
+      >>> cfg, tokens = LMConfig(16, 2, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16)), jnp.array([[1, 2, 3]])
       >>> params = init_lm(jax.random.key(0), cfg)
-      >>> from eae_jax.models import lm_apply, lm_stack, split_params
-      >>> tokens = jnp.array([[1, 2, 3]])
-      >>> stack = lm_stack(cfg)                                    # [embedding, Scan(blocks), head]
-      >>> logits = stack(split_params(params, cfg), tokens)
+      >>> logits = lm_stack(cfg)(split_params(params, cfg), tokens)     # [embedding, Scan(blocks), head]
       >>> bool(jnp.allclose(logits, lm_apply(params, tokens, cfg), atol=1e-5))
       True
     """
@@ -303,15 +295,14 @@ def split_params(params: dict, cfg: LMConfig) -> list:
     """Dict params -> the segment list `lm_stack` takes.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax
       >>> from eae_jax.blocks import BlockConfig
-      >>> from eae_jax.models import LMConfig, init_lm
-      >>> cfg = LMConfig(vocab_size=16, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
-      >>> params = init_lm(jax.random.key(0), cfg)
-      >>> from eae_jax.models import split_params
-      >>> segments = split_params(params, cfg)                     # embedding, blocks, head
-      >>> len(segments), segments[0] is params["embed"]
-      (3, True)
+      >>> from eae_jax.models import LMConfig, init_lm, split_params
+      >>> tied = LMConfig(16, 1, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16), tie_embeddings=True)
+      >>> params = init_lm(jax.random.key(0), tied)
+      >>> embedding, blocks, head = split_params(params, tied)
+      >>> sorted(head), head["table"] is embedding is params["embed"]     # the tied head reads the embedding
+      (['final_norm', 'table'], True)
     """
     return [params["embed"], params["blocks"], {"final_norm": params["final_norm"], "table": _head_table(params, cfg)}]
 
@@ -322,15 +313,13 @@ def merge_grads(grads: list, cfg: LMConfig) -> dict:
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from eae_jax.blocks import BlockConfig
-      >>> from eae_jax.models import LMConfig, init_lm
-      >>> cfg = LMConfig(vocab_size=16, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
-      >>> params = init_lm(jax.random.key(0), cfg)
-      >>> from eae_jax.models import cross_entropy, lm_stack, merge_grads, split_params
+      >>> from eae_jax.models import LMConfig, cross_entropy, init_lm, lm_stack, merge_grads, split_params
+      >>> cfg = LMConfig(16, 1, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16), tie_embeddings=True)
       >>> tokens = jnp.array([[1, 2, 3]])
       >>> loss = lambda segments: cross_entropy(lm_stack(cfg)(segments, tokens[:, :-1]), tokens[:, 1:])
-      >>> grads = merge_grads(jax.grad(loss)(split_params(params, cfg)), cfg)
-      >>> sorted(grads) == sorted(params)
-      True
+      >>> grads = jax.grad(loss)(split_params(init_lm(jax.random.key(0), cfg), cfg))
+      >>> sorted(merge_grads(grads, cfg))                            # the tied head's gradient joins "embed"
+      ['blocks', 'embed', 'final_norm']
     """
     g_embed, g_blocks, g_head = grads
     out = {"embed": g_embed, "blocks": g_blocks, "final_norm": g_head["final_norm"]}

@@ -38,11 +38,9 @@ class TrainState(NamedTuple):
     layer) for fp8 runs, else None.
 
     Example:
-      >>> import jax
       >>> from eae_jax.train import TrainConfig
       >>> from eae_jax.train.loop import build
-      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
-      >>> model, stack, tx, bound, state = build(cfg)
+      >>> state = build(TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32))[-1]
       >>> int(state.step), sorted(state.params), state.fp8 is None
       (0, ['blocks', 'embed', 'final_norm', 'lm_head'], True)
     """
@@ -59,12 +57,9 @@ def segment_params(params: dict, fp8_state: Any, model) -> list:
     """The LM stack's segment params, with the fp8 seam state beside the blocks when there is one.
 
     Example:
-      >>> import jax
       >>> from eae_jax.train import TrainConfig
-      >>> from eae_jax.train.loop import build
-      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
-      >>> from eae_jax.train.loop import segment_params
-      >>> model, stack, tx, bound, state = build(cfg)
+      >>> from eae_jax.train.loop import build, segment_params
+      >>> model, _, _, _, state = build(TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32))
       >>> segments = segment_params(state.params, None, model)     # embedding, blocks, head
       >>> len(segments), segments[1] is state.params["blocks"]
       (3, True)
@@ -83,15 +78,11 @@ def bind_fp8(cfg: TrainConfig, model, params: dict, key: jax.Array, source: Opti
 
     Example:
       >>> import jax
-      >>> from eae_jax.train import TrainConfig
-      >>> from eae_jax.train.loop import build
-      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
       >>> from eae_jax.models import init_lm
+      >>> from eae_jax.train import TrainConfig
       >>> from eae_jax.train.loop import bind_fp8
-      >>> cfg8 = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8,
-      ...                    dtype="fp8_e4m3")
-      >>> model = cfg8.model()
-      >>> bound = bind_fp8(cfg8, model, init_lm(jax.random.key(0), model), jax.random.key(1))
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, dtype="fp8_e4m3")
+      >>> bound = bind_fp8(cfg, cfg.model(), init_lm(jax.random.key(0), cfg.model()), jax.random.key(1))
       >>> sorted(bound.seams)
       ['ffn', 'o', 'qkv']
     """
@@ -154,16 +145,13 @@ def make_train_step(cfg: TrainConfig, stack, tx, model, bound_fp8=None):
     passes the fp8 state through untouched).
 
     Example:
-      >>> import jax
-      >>> from eae_jax.train import TrainConfig
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.train import TrainConfig, make_train_step
       >>> from eae_jax.train.loop import build
-      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
-      >>> import jax.numpy as jnp
-      >>> from eae_jax.train.loop import make_train_step
-      >>> model, stack, tx, bound, state = build(cfg)
-      >>> step = jax.jit(make_train_step(cfg, stack, tx, model))
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8)
+      >>> model, stack, tx, _, state = build(cfg)
       >>> tokens = jnp.arange(18, dtype=jnp.int32).reshape(1, 2, 9) % 32      # (microbatches, batch, seq_len + 1)
-      >>> state, metrics = step(state, tokens)
+      >>> state, metrics = jax.jit(make_train_step(cfg, stack, tx, model))(state, tokens)
       >>> int(state.step), bool(jnp.isfinite(metrics["loss"]))
       (1, True)
     """
@@ -269,11 +257,9 @@ def init_state(cfg: TrainConfig, model, stack, tx, bound_fp8=None, params=None) 
     """Fresh params (unless given), optimizer state, adjoint carry and fp8 state from ``cfg.seed``.
 
     Example:
-      >>> import jax
-      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train import TrainConfig, init_state
       >>> from eae_jax.train.loop import build
-      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
-      >>> from eae_jax.train.loop import init_state
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, seed=3)
       >>> model, stack, tx, bound, state = build(cfg)
       >>> again = init_state(cfg, model, stack, tx)                 # the same seed: the same params
       >>> bool((again.params["embed"] == state.params["embed"]).all())
@@ -294,11 +280,9 @@ def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional
     ``params``: the initial params (``--init``); None draws them from ``cfg.seed``.
 
     Example:
-      >>> import jax
       >>> from eae_jax.train import TrainConfig
       >>> from eae_jax.train.loop import build
-      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
-      >>> model, stack, tx, bound, state = build(cfg)
+      >>> model, stack, tx, bound, state = build(TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32))
       >>> model.depth, model.block.dim, bound is None, int(state.step)
       (1, 16, True, 0)
     """
@@ -314,16 +298,13 @@ def make_stack(cfg: TrainConfig, model, bound_fp8=None):
     """The run's reconstruct stack, with ``bound_fp8``'s block when given.
 
     Example:
-      >>> import jax
-      >>> from eae_jax.train import TrainConfig
-      >>> from eae_jax.train.loop import build
-      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32, batch=2, seq_len=8, steps=4)
       >>> import jax.numpy as jnp
       >>> from eae_jax.models import split_params
-      >>> from eae_jax.train.loop import make_stack
-      >>> model, _, _, _, state = build(cfg)
-      >>> stack = make_stack(cfg, model)
-      >>> stack(split_params(state.params, model), jnp.zeros((2, 8), jnp.int32)).shape
+      >>> from eae_jax.train import TrainConfig
+      >>> from eae_jax.train.loop import build, make_stack
+      >>> cfg = TrainConfig(preset="tiny", dim=16, depth=1, heads=2, vocab_size=32)
+      >>> model, params = cfg.model(), build(cfg)[-1].params
+      >>> make_stack(cfg, model)(split_params(params, model), jnp.zeros((2, 8), jnp.int32)).shape
       (2, 8, 32)
     """
     return lm_stack(model, block_fn=None if bound_fp8 is None else bound_fp8.block_fn(),

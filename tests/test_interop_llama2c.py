@@ -15,6 +15,7 @@ pytest.importorskip("eae_runtime")
 
 import interop  # noqa: E402
 from conftest import LLAMA2C_BIN_ORDER, llama2c_bin_bytes, llama2c_spec_tensors  # noqa: E402
+from interop.errors import UnsupportedConfigError  # noqa: E402
 
 #: eae_jax param path -> run.c's tensor name (stacked block tensors keep the layer axis outermost).
 PARAM_OF = {
@@ -71,15 +72,13 @@ def test_reader_matches_the_format_tensor_by_tensor(tmp_path, version, shared):
         np.testing.assert_array_equal(sin, tensors["freq_cis_imag"])
 
 
-@pytest.mark.parametrize("version", [0, 1])
-@pytest.mark.parametrize("shared", [True, False])
-def test_writer_gives_the_format_bytes(tmp_path, version, shared):
-    """Params taken from the numpy tensors (not from the reader) are written to exactly the oracle's bytes."""
+def params_from_tensors(header, tensors):
+    """``(params, LMConfig)`` built from the numpy tensors and header (not by interop's reader)."""
     from eae_jax.blocks import BlockConfig
     from eae_jax.models import LMConfig
 
-    header, tensors = llama2c_spec_tensors(**SHAPE, shared=shared)
     dim, hidden, layers, heads, kv, vocab, seq = header
+    shared = "wcls" not in tensors
     cfg = LMConfig(vocab, layers, BlockConfig(dim, heads, kv, hidden, norm_eps=1e-5, max_seq_len=seq,
                                               rope_style="interleaved"), tie_embeddings=shared)
     params = {}
@@ -90,9 +89,28 @@ def test_writer_gives_the_format_bytes(tmp_path, version, shared):
         node[path[-1]] = tensors[name]
     if not shared:
         params["lm_head"] = tensors["wcls"]
+    return params, cfg
+
+
+@pytest.mark.parametrize("version", [0, 1])
+@pytest.mark.parametrize("shared", [True, False])
+def test_writer_gives_the_format_bytes(tmp_path, version, shared):
+    """Params taken from the numpy tensors (not from the reader) are written to exactly the oracle's bytes."""
+    header, tensors = llama2c_spec_tensors(**SHAPE, shared=shared)
     out = tmp_path / "w.bin"
-    interop.save_llama2c_bin(str(out), params, cfg, version=version)
+    interop.save_llama2c_bin(str(out), *params_from_tensors(header, tensors), version=version)
     assert out.read_bytes() == llama2c_bin_bytes(header, tensors, version)
+
+
+def test_writer_defaults_to_the_legacy_version_and_names_a_bad_one(tmp_path):
+    header, tensors = llama2c_spec_tensors(**SHAPE)
+    params, cfg = params_from_tensors(header, tensors)
+    interop.save_llama2c_bin(str(tmp_path / "d.bin"), params, cfg)
+    assert (tmp_path / "d.bin").read_bytes() == llama2c_bin_bytes(header, tensors, 0)
+    for version in (-1, 2):
+        with pytest.raises(UnsupportedConfigError, match=f"version {version} is not supported"):
+            interop.save_llama2c_bin(str(tmp_path / "bad.bin"), params, cfg, version=version)
+    assert not (tmp_path / "bad.bin").exists()
 
 
 @pytest.mark.parametrize("version", [0, 1])
@@ -106,3 +124,14 @@ def test_a_swapped_pair_in_the_file_fails_the_comparison(tmp_path, version, pair
     path = tmp_path / "swapped.bin"
     path.write_bytes(llama2c_bin_bytes(header, tensors, version, order=order))
     assert sorted(mismatches(interop.load_llama2c_bin(str(path)).params, tensors)) == sorted(pair)
+
+
+def test_writer_keeps_the_rope_tables_it_is_given(tmp_path):
+    """Tables passed in (an import's, for a byte-exact round trip) are written, not recomputed."""
+    header, tensors = llama2c_spec_tensors(**SHAPE)
+    up = {k: np.nextafter(tensors[k], np.float32(2)) for k in ("freq_cis_real", "freq_cis_imag")}  # one ulp off
+    out = tmp_path / "t.bin"
+    interop.save_llama2c_bin(str(out), *params_from_tensors(header, tensors),
+                             rope_tables=(up["freq_cis_real"], up["freq_cis_imag"]))
+    assert out.read_bytes() == llama2c_bin_bytes(header, {**tensors, **up}, 0)
+    assert out.read_bytes() != llama2c_bin_bytes(header, tensors, 0)

@@ -727,6 +727,17 @@ def test_bad_hyperparameters_raise_value_error(factory, arg):
         factory(arg)
 
 
+@pytest.mark.parametrize("arg,message", [(0.0, "max_norm must be > 0.0, got 0.0"),
+                                         (-1.0, "max_norm must be > 0.0, got -1.0"),
+                                         (float("nan"), "max_norm must not be NaN")])
+def test_clip_by_norm_names_itself_and_the_bound_it_refuses(arg, message):
+    """The whole message: the pass, the argument and the rule (0 itself is refused: the bound is open)."""
+    with pytest.raises(ValueError) as err:
+        P.clip_by_norm(arg)
+    assert str(err.value) == f"clip_by_norm: {message}"
+    assert P.clip_by_norm(0.5).name == "clip_by_norm(0.5)"
+
+
 def test_pass_init_rejects_integer_adjoint_spec():
     with pytest.raises(TypeError, match="floating"):
         P.int8_fake_quant().init(jax.ShapeDtypeStruct((3,), jnp.int32), jax.random.key(0))

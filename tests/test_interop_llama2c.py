@@ -135,3 +135,14 @@ def test_writer_keeps_the_rope_tables_it_is_given(tmp_path):
                              rope_tables=(up["freq_cis_real"], up["freq_cis_imag"]))
     assert out.read_bytes() == llama2c_bin_bytes(header, {**tensors, **up}, 0)
     assert out.read_bytes() != llama2c_bin_bytes(header, tensors, 0)
+
+
+def test_writer_names_every_misshaped_table_and_writes_nothing(tmp_path):
+    header, tensors = llama2c_spec_tensors(**SHAPE)
+    short = np.zeros((3, 1), np.float32)  # seq_len is 6
+    out = tmp_path / "bad.bin"
+    with pytest.raises(ValueError) as err:
+        interop.save_llama2c_bin(str(out), *params_from_tensors(header, tensors), rope_tables=(short, short))
+    assert str(err.value) == (f"{out}: nothing written: freq_cis_real: shape (3, 1), the .bin layout needs (6, 1); "
+                              "freq_cis_imag: shape (3, 1), the .bin layout needs (6, 1)")
+    assert not out.exists()

@@ -65,6 +65,7 @@ def test_reader_matches_the_format_tensor_by_tensor(tmp_path, version, shared):
     assert (cfg.block.dim, cfg.block.ffn_hidden_dim, cfg.depth, cfg.block.num_heads, cfg.block.num_kv_heads,
             cfg.vocab_size, cfg.block.max_seq_len) == header
     assert cfg.tie_embeddings is shared
+    assert model.meta["format"] == f"llama2c_bin_v{version}"
     assert (cfg.block.rope_style, cfg.block.rope_theta) == ("interleaved", 10000.0)
     if version == 0:
         cos, sin = model.meta["rope_tables"]
@@ -146,3 +147,24 @@ def test_writer_names_every_misshaped_table_and_writes_nothing(tmp_path):
     assert str(err.value) == (f"{out}: nothing written: freq_cis_real: shape (3, 1), the .bin layout needs (6, 1); "
                               "freq_cis_imag: shape (3, 1), the .bin layout needs (6, 1)")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("version", [0, 1])
+def test_a_one_token_vocabulary_is_still_tied(tmp_path, version):
+    """vocab_size 1 (the smallest positive) flags a tied classifier: no wcls follows."""
+    header, tensors = llama2c_spec_tensors(**{**SHAPE, "vocab": 1})
+    path = tmp_path / "v1.bin"
+    path.write_bytes(llama2c_bin_bytes(header, tensors, version))
+    model = interop.load_llama2c_bin(str(path))
+    assert model.config.tie_embeddings and mismatches(model.params, tensors) == []
+
+
+def test_a_version_2_file_is_refused_by_name(tmp_path):
+    import struct
+
+    path = tmp_path / "q8.bin"
+    path.write_bytes(struct.pack("<Ii", 0x616B3432, 2) + b"\0" * 248)
+    with pytest.raises(interop.errors.UnknownFormatError) as err:
+        interop.load_llama2c_bin(str(path))
+    assert str(err.value) == (f"{path}: llama2.c version-2 (Q8_0 int8-quantized) .bin files are not supported; "
+                              "export version 0 or 1 (float32)")

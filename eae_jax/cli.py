@@ -35,12 +35,33 @@ COMMANDS: Dict[str, Tuple[str, str, str]] = {
 
 
 class UsageError(Exception):
-    """A bad command line: its one-line message is printed and the command exits 2."""
+    """A bad command line: its one-line message is printed and the command exits 2.
+
+    Example:
+      >>> from eae_jax.cli import UsageError, run_command
+      >>> def command(argv):
+      ...     raise UsageError("demo: error: --steps must be positive")
+      >>> run_command("demo", command, [])
+      2
+    """
 
 
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors raise `UsageError` (one line: ``<prog>: error: <what>``)
-    instead of printing the usage and exiting, so `run_command` maps them to exit 2."""
+    instead of printing the usage and exiting, so `run_command` maps them to exit 2.
+
+    Example:
+      >>> from eae_jax.cli import OneLineParser, UsageError
+      >>> parser = OneLineParser(prog="demo")
+      >>> _ = parser.add_argument("--steps", type=int)
+      >>> parser.parse_args(["--steps", "3"]).steps
+      3
+      >>> try:
+      ...     parser.parse_args(["--steps", "x"])
+      ... except UsageError as err:
+      ...     print(err)
+      demo: error: argument --steps: invalid int value: 'x' (see --help)
+    """
 
     def error(self, message):  # noqa: D102 - argparse's hook
         raise UsageError(f"{self.prog}: error: {message} (see --help)")
@@ -82,6 +103,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     0: success; 1: the command ran and found a failure (e.g. parity over
     tolerance); 2: usage error, bad input, unknown command or missing
     optional dependency; 3: internal error (see the module doc).
+
+    Example:
+      >>> from eae_jax.cli import main
+      >>> main(["no-such-command"])
+      2
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

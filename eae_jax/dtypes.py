@@ -79,6 +79,11 @@ def parse_compute_dtype(name: Any) -> jnp.dtype:
     Raises:
       ValueError: the name is not a known floating dtype; the message lists
         the valid names.
+
+    Example:
+      >>> from eae_jax.dtypes import parse_compute_dtype
+      >>> parse_compute_dtype("bf16"), parse_compute_dtype("float32")
+      (dtype(bfloat16), dtype('float32'))
     """
     if isinstance(name, str):
         key = name.strip().lower()
@@ -139,6 +144,12 @@ def dtype_name(dtype: Any) -> str:
 
     Raises:
       ValueError: ``dtype`` is None, an unknown name, or not a dtype-like.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from eae_jax.dtypes import dtype_name
+      >>> dtype_name(jnp.bfloat16), dtype_name("float8_e4m3fn"), dtype_name(np.float64)
+      ('bf16', 'fp8_e4m3', 'float64')
     """
     dtype = _as_dtype(dtype, "dtype_name")
     for short in COMPUTE_DTYPE_NAMES:
@@ -157,6 +168,12 @@ def is_fp8(dtype: Any) -> bool:
 
     Raises:
       ValueError: ``dtype`` is None, an unknown name, or not a dtype-like.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.dtypes import is_fp8
+      >>> is_fp8("fp8_e5m2"), is_fp8(jnp.float8_e4m3fnuz), is_fp8("bf16")
+      (True, False, False)
     """
     return _as_dtype(dtype, "is_fp8") in FP8_DTYPES
 
@@ -201,6 +218,13 @@ class DTypePolicy:
         fewer (any float8 variant, ``float4_e2m1fn`` ...: an fp8 policy
         computes in bf16, see `from_name`); ``fp8_format`` is not one of
         the two fp8 formats (the message lists them).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.dtypes import DTypePolicy
+      >>> policy = DTypePolicy(compute_dtype=jnp.bfloat16, boundary_dtype=jnp.bfloat16)
+      >>> policy.param_dtype, policy.compute_dtype, policy.boundary_dtype
+      (dtype('float32'), dtype(bfloat16), dtype(bfloat16))
     """
 
     param_dtype: Any = jnp.float32
@@ -273,6 +297,11 @@ def finfo_max(dtype: Any) -> float:
     Raises:
       ValueError: ``dtype`` is None, an unknown name, not a dtype-like, or
         not a floating dtype (``int32`` ...).
+
+    Example:
+      >>> from eae_jax.dtypes import finfo_max
+      >>> finfo_max("fp8_e4m3"), finfo_max("fp8_e5m2"), finfo_max("fp16")
+      (448.0, 57344.0, 65504.0)
     """
     dtype = _as_dtype(dtype, "finfo_max")
     if not jnp.issubdtype(dtype, jnp.floating):

@@ -33,7 +33,13 @@ from eae_jax.passes.base import runs_at
 
 
 class EventType:
-    """Event names (the seed's, so subscribers written for it keep working)."""
+    """Event names (the seed's, so subscribers written for it keep working).
+
+    Example:
+      >>> from eae_jax.events import EventType
+      >>> EventType.PASS_APPLIED, len(EventType.ALL)
+      ('PassApplied', 14)
+    """
 
     FORWARD_STARTED = "ForwardStarted"
     FORWARD_FINISHED = "ForwardFinished"
@@ -60,7 +66,14 @@ class EventType:
 
 @dataclass
 class Event:
-    """One event: its type name, a payload of plain Python values, and the host time it was emitted."""
+    """One event: its type name, a payload of plain Python values, and the host time it was emitted.
+
+    Example:
+      >>> from eae_jax.events import Event
+      >>> event = Event("PassApplied", {"pass_name": "clip_by_norm(1)"}, timestamp=0.0)
+      >>> event.type, event.payload["pass_name"]
+      ('PassApplied', 'clip_by_norm(1)')
+    """
 
     type: str
     payload: Dict[str, Any] = field(default_factory=dict)
@@ -75,6 +88,15 @@ class EventBus:
     ``'*'`` subscribers, in subscription order; an exception in a
     subscriber propagates to the caller of ``emit``. Recording
     (`start_recording`) keeps every emitted event, handy in tests.
+
+    Example:
+      >>> from eae_jax.events import EventBus
+      >>> bus, seen = EventBus(), []
+      >>> _ = bus.subscribe("TrainStepStarted", lambda e: seen.append(e.payload["step"]))
+      >>> bus.start_recording()
+      >>> _ = bus.emit("TrainStepStarted", step=3)
+      >>> seen, [e.type for e in bus.stop_recording()]
+      ([3], ['TrainStepStarted'])
     """
 
     def __init__(self) -> None:
@@ -148,7 +170,13 @@ def _json_default(value: Any) -> Any:
 
 
 def event_to_json(event: Event) -> str:
-    """One JSON object: ``{"event": type, "timestamp": t, **payload}`` (NaN/Inf as JSON's NaN/Infinity)."""
+    """One JSON object: ``{"event": type, "timestamp": t, **payload}`` (NaN/Inf as JSON's NaN/Infinity).
+
+    Example:
+      >>> from eae_jax.events import Event, event_to_json
+      >>> event_to_json(Event("TrainStepFinished", {"loss": float("nan")}, timestamp=1.5))
+      '{"event": "TrainStepFinished", "timestamp": 1.5, "loss": NaN}'
+    """
     return json.dumps({"event": event.type, "timestamp": event.timestamp, **event.payload}, default=_json_default)
 
 
@@ -165,6 +193,17 @@ def attach_json_logging(bus: EventBus, logger: Optional[logging.Logger] = None, 
 
     Returns:
       The subscriber, for ``bus.unsubscribe(event_type, it)``.
+
+    Example:
+      >>> import logging, sys
+      >>> from eae_jax.events import EventBus, attach_json_logging
+      >>> logger = logging.getLogger("eae_jax.events.example")
+      >>> logger.addHandler(logging.StreamHandler(sys.stdout)); logger.setLevel(logging.INFO)
+      >>> bus = EventBus()
+      >>> handle = attach_json_logging(bus, logger=logger)
+      >>> _ = bus.emit("TrainStepStarted", step=0)  # doctest: +ELLIPSIS
+      {"event": "TrainStepStarted", "timestamp": ..., "step": 0}
+      >>> bus.unsubscribe("*", handle)
     """
     logger = logger or logging.getLogger("eae_jax.events")
 
@@ -193,6 +232,13 @@ def summarize_state(state: Any) -> Dict[str, Any]:
     numeric array field as ``<field>_norm`` (Euclidean norm, float64 on the
     host); nested containers (predictor params, optax states) and PRNG keys
     are left out. Other states give ``{}``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.events import summarize_state
+      >>> from eae_jax.passes import ClipState
+      >>> summarize_state(ClipState(norm=jnp.float32(2.0), clipped=jnp.bool_(True)))
+      {'norm': 2.0, 'clipped': True}
     """
     out: Dict[str, Any] = {}
     if not (isinstance(state, tuple) and hasattr(state, "_fields")):
@@ -255,6 +301,18 @@ def boundary_states(stack, state: Any, num_boundaries: int, depths: Optional[Seq
 
     Raises:
       ValueError: the state does not fit the stack or the depth is ambiguous.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import eae_jax
+      >>> from eae_jax import passes
+      >>> from eae_jax.events import boundary_states
+      >>> stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x * w), passes=passes.clip_by_norm(1.0))
+      >>> w, x = jnp.ones((3, 2)), jnp.ones(2)
+      >>> carry = stack.init(w, x)
+      >>> states = boundary_states(stack, stack.state(carry), num_boundaries=4)
+      >>> len(states), type(states[1]).__name__
+      (4, 'ClipState')
     """
     if not isinstance(state, dict) or set(state) != {"segments", "top"}:
         raise ValueError("state must be stack.state(carry): a dict with 'segments' and 'top'")
@@ -320,6 +378,20 @@ def emit_step_events(bus: EventBus, stack, stats: Dict[str, Any], state: Any = N
 
     Raises:
       ValueError / KeyError: stats or state that do not belong to ``stack``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import eae_jax
+      >>> from eae_jax import passes
+      >>> from eae_jax.events import EventBus, emit_step_events
+      >>> stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x * w), passes=passes.clip_by_norm(1.0))
+      >>> w, x = jnp.ones((2, 2)), jnp.ones(2)
+      >>> carry = stack.init(w, x)
+      >>> g_c = jax.grad(lambda c: stack(w, x, c).sum())(carry)
+      >>> carry, stats = stack.update(carry, g_c)
+      >>> events = emit_step_events(EventBus(), stack, stats, carry, loss=0.5)
+      >>> [e.type for e in events][:4], events[-1].type
+      (['TrainStepStarted', 'ForwardStarted', 'ForwardFinished', 'AdjointCreated'], 'TrainStepFinished')
     """
     missing = [k for k in ("adjoint_norm", "adjoint_norm_after_passes", "step", "calls") if k not in stats]
     if missing:

@@ -11,7 +11,16 @@ def new_file_mode(replacing: Optional[str] = None) -> int:
     """Permission bits for a file written through a temporary: those of the
     file it replaces, else what ``open()`` would give under the current umask.
     (``tempfile.mkstemp`` creates 0600, which left checkpoints and exports
-    unreadable to the other users and services a plain write lets in.)"""
+    unreadable to the other users and services a plain write lets in.)
+
+    Example:
+      >>> import os, tempfile
+      >>> from eae_jax.fileio import new_file_mode
+      >>> path = os.path.join(tempfile.mkdtemp(), "f")
+      >>> open(path, "w").close(); os.chmod(path, 0o640)
+      >>> oct(new_file_mode(replacing=path))
+      '0o640'
+    """
     if replacing is not None:
         try:
             return stat.S_IMODE(os.stat(replacing).st_mode)

@@ -110,6 +110,15 @@ def check_args(args: argparse.Namespace) -> list:
 
     Raises:
       UsageError: the first bad argument, named.
+
+    Example:
+      >>> from interop.cli import _parity_parser, check_args
+      >>> check_args(_parity_parser().parse_args(["--pipelines", "none,fp16"]))
+      ['none', 'fp16']
+      >>> check_args(_parity_parser().parse_args(["--heads", "3"]))
+      Traceback (most recent call last):
+      ...
+      eae_jax.cli.UsageError: eae-jax parity: error: --dim 64 is not a multiple of --heads 3
     """
     def bad(msg):
         raise UsageError(f"eae-jax parity: error: {msg}")
@@ -184,12 +193,24 @@ def _parity(argv: Sequence[str]) -> int:
 
 
 def parity_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``parity`` subcommand; returns 0 (pass), 1 (over tolerance), 2 (error) or 3 (internal error)."""
+    """``parity`` subcommand; returns 0 (pass), 1 (over tolerance), 2 (error) or 3 (internal error).
+
+    Example:
+      >>> from interop.cli import parity_main
+      >>> parity_main(["--batch", "0"])                                # a bad argument: exit code 2
+      2
+    """
     return run_command("eae-jax parity", _parity, list(sys.argv[1:] if argv is None else argv))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m interop.cli <command> ...`` with the same commands as ``eae-jax`` that live here."""
+    """``python -m interop.cli <command> ...`` with the same commands as ``eae-jax`` that live here.
+
+    Example:
+      >>> from interop.cli import main
+      >>> main(["parity", "--seq", "0"]), main(["export"])
+      (2, 2)
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m interop.cli parity [SOURCE] [options]  (see 'parity --help')",

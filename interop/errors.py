@@ -11,7 +11,13 @@ from typing import Iterable, Optional, Sequence, Tuple
 
 
 class InteropError(ValueError):
-    """Base class of every error raised while reading or writing checkpoints."""
+    """Base class of every error raised while reading or writing checkpoints.
+
+    Example:
+      >>> from interop.errors import CorruptCheckpointError, InteropError, UnknownFormatError
+      >>> issubclass(CorruptCheckpointError, InteropError), issubclass(UnknownFormatError, InteropError)
+      (True, True)
+    """
 
 
 class CheckpointMismatchError(InteropError):
@@ -26,6 +32,13 @@ class CheckpointMismatchError(InteropError):
       unexpected: names in the checkpoint the model has no place for.
       shape_mismatches: ``(name, got_shape, expected_shape)`` triples.
       other: any further problems (dtype mixes, tied tables that differ ...).
+
+    Example:
+      >>> from interop.errors import CheckpointMismatchError
+      >>> err = CheckpointMismatchError("model.safetensors", missing=["norm.weight"],
+      ...                               shape_mismatches=[("embed", (4, 2), (5, 2))])
+      >>> err.missing, err.shape_mismatches
+      (['norm.weight'], [('embed', (4, 2), (5, 2))])
     """
 
     def __init__(
@@ -69,6 +82,12 @@ class UnsafeCheckpointError(InteropError):
     Attributes:
       path: the file.
       global_name: the refused global (``module.name``) when torch reported it.
+
+    Example:
+      >>> from interop.errors import UnsafeCheckpointError
+      >>> err = UnsafeCheckpointError("m.pt", "refused global", global_name="os.system")
+      >>> err.path, err.global_name
+      ('m.pt', 'os.system')
     """
 
     def __init__(self, path: str, detail: str, global_name: Optional[str] = None):
@@ -83,22 +102,65 @@ class UnsafeCheckpointError(InteropError):
 
 
 class CorruptCheckpointError(InteropError):
-    """The file is truncated or otherwise damaged."""
+    """The file is truncated or otherwise damaged.
+
+    Example:
+      >>> import os, tempfile
+      >>> import interop
+      >>> from interop.errors import CorruptCheckpointError
+      >>> path = os.path.join(tempfile.mkdtemp(), "cut.bin")
+      >>> _ = open(path, "wb").write((0x616B3432).to_bytes(4, "little") + (1).to_bytes(4, "little") + bytes(20))
+      >>> try:
+      ...     interop.load_llama2c(path)
+      ... except CorruptCheckpointError:
+      ...     print("corrupt")
+      corrupt
+    """
 
 
 class UnknownFormatError(InteropError):
-    """The file (or object) is not any of the supported checkpoint formats."""
+    """The file (or object) is not any of the supported checkpoint formats.
+
+    Example:
+      >>> import interop, os, tempfile
+      >>> from interop.errors import UnknownFormatError
+      >>> folder = tempfile.mkdtemp()
+      >>> with open(os.path.join(folder, "notes.txt"), "w") as f:
+      ...     _ = f.write("not a checkpoint")
+      >>> try:
+      ...     interop.load_checkpoint(os.path.join(folder, "notes.txt"))
+      ... except UnknownFormatError as err:
+      ...     print(type(err).__name__)
+      UnknownFormatError
+    """
 
 
 class Float64CheckpointError(InteropError, TypeError):
     """float64 weights while JAX runs without x64: importing them would round
     to float32 silently. A TypeError too (it is about the dtype), and an
-    `InteropError` like every other checkpoint problem."""
+    `InteropError` like every other checkpoint problem.
+
+    Example:
+      >>> from interop.errors import Float64CheckpointError, InteropError
+      >>> issubclass(Float64CheckpointError, TypeError), issubclass(Float64CheckpointError, InteropError)
+      (True, True)
+    """
 
 
 class UnsupportedConfigError(InteropError):
     """The checkpoint's architecture has a feature the JAX port does not implement
-    (biases, rope scaling, dropout, another activation ...)."""
+    (biases, rope scaling, dropout, another activation ...).
+
+    Example:
+      >>> from interop.hf_llama import lm_config_from_hf
+      >>> from interop.errors import UnsupportedConfigError
+      >>> try:
+      ...     lm_config_from_hf({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 16,
+      ...                        "intermediate_size": 16, "hidden_act": "gelu"})
+      ... except UnsupportedConfigError:
+      ...     print("unsupported")
+      unsupported
+    """
 
 
 def _natural_key(name: str) -> Sequence:

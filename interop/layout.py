@@ -29,8 +29,8 @@ class BlockLayout(NamedTuple):
 
     Attributes:
       name: the format's name (for messages).
-      keys: torch name within one layer -> eae_jax path, in the order the
-        original module registers them (exports keep that order).
+      keys: torch name within one layer -> eae_jax path, in the order
+        exports write them.
 
     Example:
       >>> from interop.layout import HF_BLOCK
@@ -67,41 +67,25 @@ class LMLayout(NamedTuple):
     ignore: Tuple[str, ...] = ()
 
 
-SEED_BLOCK = BlockLayout("eae_runtime PreNormTransformerBlock", {
-    "attn_norm.weight": ("attn_norm", "scale"),
-    "attn.q_proj.weight": ("attn", "wq"),
-    "attn.k_proj.weight": ("attn", "wk"),
-    "attn.v_proj.weight": ("attn", "wv"),
-    "attn.out_proj.weight": ("attn", "wo"),
-    "ffn_norm.weight": ("ffn_norm", "scale"),
-    "ffn.gate_proj.weight": ("ffn", "w_gate"),
-    "ffn.down_proj.weight": ("ffn", "w_down"),
-    "ffn.up_proj.weight": ("ffn", "w_up"),
-})
-
-HF_BLOCK = BlockLayout("Hugging Face LlamaDecoderLayer", {
-    "self_attn.q_proj.weight": ("attn", "wq"),
-    "self_attn.k_proj.weight": ("attn", "wk"),
-    "self_attn.v_proj.weight": ("attn", "wv"),
-    "self_attn.o_proj.weight": ("attn", "wo"),
-    "mlp.gate_proj.weight": ("ffn", "w_gate"),
-    "mlp.up_proj.weight": ("ffn", "w_up"),
-    "mlp.down_proj.weight": ("ffn", "w_down"),
-    "input_layernorm.weight": ("attn_norm", "scale"),
-    "post_attention_layernorm.weight": ("ffn_norm", "scale"),
-})
-
-LLAMA2C_BLOCK = BlockLayout("llama2.c TransformerBlock", {
-    "attention.wq.weight": ("attn", "wq"),
-    "attention.wk.weight": ("attn", "wk"),
-    "attention.wv.weight": ("attn", "wv"),
-    "attention.wo.weight": ("attn", "wo"),
-    "feed_forward.w1.weight": ("ffn", "w_gate"),
-    "feed_forward.w2.weight": ("ffn", "w_down"),
-    "feed_forward.w3.weight": ("ffn", "w_up"),
-    "attention_norm.weight": ("attn_norm", "scale"),
-    "ffn_norm.weight": ("ffn_norm", "scale"),
-})
+#: One row per block tensor: its eae_jax path, then its name within a layer in the
+#: eae_runtime seed, Hugging Face and llama2.c checkpoints (a layer's tensors are
+#: written in this order in every format).
+_BLOCK_NAMES = (
+    (("attn_norm", "scale"), "attn_norm.weight", "input_layernorm.weight", "attention_norm.weight"),
+    (("attn", "wq"), "attn.q_proj.weight", "self_attn.q_proj.weight", "attention.wq.weight"),
+    (("attn", "wk"), "attn.k_proj.weight", "self_attn.k_proj.weight", "attention.wk.weight"),
+    (("attn", "wv"), "attn.v_proj.weight", "self_attn.v_proj.weight", "attention.wv.weight"),
+    (("attn", "wo"), "attn.out_proj.weight", "self_attn.o_proj.weight", "attention.wo.weight"),
+    (("ffn_norm", "scale"), "ffn_norm.weight", "post_attention_layernorm.weight", "ffn_norm.weight"),
+    (("ffn", "w_gate"), "ffn.gate_proj.weight", "mlp.gate_proj.weight", "feed_forward.w1.weight"),
+    (("ffn", "w_down"), "ffn.down_proj.weight", "mlp.down_proj.weight", "feed_forward.w2.weight"),
+    (("ffn", "w_up"), "ffn.up_proj.weight", "mlp.up_proj.weight", "feed_forward.w3.weight"),
+)
+SEED_BLOCK, HF_BLOCK, LLAMA2C_BLOCK = (
+    BlockLayout(name, {row[column]: row[0] for row in _BLOCK_NAMES})
+    for column, name in enumerate(("eae_runtime PreNormTransformerBlock", "Hugging Face LlamaDecoderLayer",
+                                   "llama2.c TransformerBlock"), start=1)
+)
 
 SEED_STACK = LMLayout(SEED_BLOCK, "{i}.")
 HF_LM = LMLayout(
@@ -364,7 +348,7 @@ def lm_tensors_from_params(params: Mapping[str, Any], cfg, layout: LMLayout, tie
       >>> cfg = LMConfig(vocab_size=32, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
       >>> tensors = lm_tensors_from_params(init_lm(jax.random.key(0), cfg), cfg, HF_LM, tied_head=False)
       >>> list(tensors)[:2], len(tensors)              # embedding, 2 x 9 block tensors, norm, head
-      (['model.embed_tokens.weight', 'model.layers.0.self_attn.q_proj.weight'], 21)
+      (['model.embed_tokens.weight', 'model.layers.0.input_layernorm.weight'], 21)
     """
     from eae_jax.models import check_lm_params
 

@@ -52,7 +52,7 @@ models on seed blocks (llama2.c), and ``transformers`` LLaMA models.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,19 +79,26 @@ PIPELINES = ("none", "int8_clip", "fp16")
 END_TO_END_FLOOR = {"none": 0.0, "int8_clip": 5e-2, "fp16": 2.0 ** -9}
 
 
+def _pipeline(name: str, int8: Callable, clip: Callable, fp16: Callable) -> list:
+    """The passes of pipeline ``name``, built from one library's int8, clip and fp16 pass factories."""
+    table = {"none": lambda: [], "int8_clip": lambda: [int8(), clip(1.0)], "fp16": lambda: [fp16()]}
+    if name not in table:
+        raise ValueError(f"unknown pipeline {name!r}; expected one of {PIPELINES}")
+    return table[name]()
+
+
 def jax_pipeline(name: str) -> list:
     """The eae_jax passes of a named pipeline (see the module table).
 
     Raises:
       ValueError: unknown name.
+
+    Example:
+      >>> from interop.parity import jax_pipeline
+      >>> [p.name for p in jax_pipeline("int8_clip")]
+      ['int8_fake_quant', 'clip_by_norm(1)']
     """
-    if name == "none":
-        return []
-    if name == "int8_clip":
-        return [jpasses.int8_fake_quant(), jpasses.clip_by_norm(1.0)]
-    if name == "fp16":
-        return [jpasses.cast_roundtrip("fp16")]
-    raise ValueError(f"unknown pipeline {name!r}; expected one of {PIPELINES}")
+    return _pipeline(name, jpasses.int8_fake_quant, jpasses.clip_by_norm, lambda: jpasses.cast_roundtrip("fp16"))
 
 
 def torch_pipeline(name: str) -> list:
@@ -99,16 +106,15 @@ def torch_pipeline(name: str) -> list:
 
     Raises:
       ValueError: unknown name.
+
+    Example:
+      >>> from interop.parity import torch_pipeline
+      >>> [type(p).__name__ for p in torch_pipeline("int8_clip")], torch_pipeline("none")
+      (['Int8QuantizationPass', 'ClipPass'], [])
     """
     from eae_runtime.passes import ClipPass, FP16Pass, Int8QuantizationPass
 
-    if name == "none":
-        return []
-    if name == "int8_clip":
-        return [Int8QuantizationPass(), ClipPass(1.0)]
-    if name == "fp16":
-        return [FP16Pass()]
-    raise ValueError(f"unknown pipeline {name!r}; expected one of {PIPELINES}")
+    return _pipeline(name, Int8QuantizationPass, ClipPass, FP16Pass)
 
 
 # --------------------------------------------------------------------------- engine
@@ -300,6 +306,16 @@ def run_parity(case: ParityCase, *, pipelines: Sequence[str] = PIPELINES, tol: O
 
     Raises:
       ValueError: unknown pipeline, or the two sides do not name the same parameters.
+
+    Example:
+      >>> import torch
+      >>> from eae_runtime.contrib import PreNormTransformerBlock
+      >>> from interop.parity import blocks_case, run_parity
+      >>> _ = torch.manual_seed(0)
+      >>> blocks = torch.nn.ModuleList([PreNormTransformerBlock(8, 2, max_seq_len=8, ffn_hidden_dim=16)])
+      >>> report = run_parity(blocks_case(blocks, batch=1, seq=4), pipelines=["none"])
+      >>> report.ok, sorted({row.section.split("[")[0] for row in report.rows})
+      (True, ['adjoint', 'forward', 'grad', 'vjp'])
     """
     for p in pipelines:
         if p not in PIPELINES:

@@ -43,6 +43,15 @@ class ParityCase(NamedTuple):
       torch_model_logits: optional ``() -> logits`` of the unmodified torch
         model's own forward on the same tokens, for a second logits row that
         checks the per-block decomposition used on the torch side.
+
+    Example:
+      >>> from torch.nn import ModuleList
+      >>> from eae_runtime.contrib import PreNormTransformerBlock
+      >>> from interop.parity_cases import ParityCase, blocks_case
+      >>> blocks = ModuleList([PreNormTransformerBlock(8, 2, max_seq_len=8, ffn_hidden_dim=16)])
+      >>> case = blocks_case(blocks, batch=1, seq=4)
+      >>> isinstance(case, ParityCase), case.dtype, case.jax_params["blocks"]["attn"]["wq"].shape
+      (True, 'float32', (1, 8, 8))
     """
 
     title: str
@@ -118,6 +127,16 @@ def blocks_case(blocks: Any, *, dtype: str = "float32", batch: int = 2, seq: int
         modules are left alone.
       perturb: relative noise added to block 0's wq on the JAX side only
         (to demonstrate a failing run).
+
+    Example:
+      >>> import torch
+      >>> from eae_runtime.contrib import PreNormTransformerBlock
+      >>> from interop.parity_cases import blocks_case
+      >>> block = PreNormTransformerBlock(8, 2, max_seq_len=8, ffn_hidden_dim=16)
+      >>> case = blocks_case(torch.nn.ModuleList([block]), batch=1, seq=4, seed=3)
+      >>> x0 = case.torch_pre()
+      >>> tuple(x0.shape), float(case.torch_post(block(x0))) > 0       # a summed squared error
+      ((1, 4, 8), True)
     """
     import copy
 
@@ -182,8 +201,29 @@ def _tokens_for(cfg: LMConfig, batch: int, seq: int, seed: int, tokens: Optional
     return tokens
 
 
-def _lm_case_common(cfg: LMConfig, params: dict, tokens: np.ndarray, perturb: float, seed: int):
-    jparams = _perturb(params, perturb, seed)
+class _LMCase(NamedTuple):
+    """What the two LM cases share: the model and params in the case's dtype, and the loss pieces."""
+
+    dtype: str
+    model: Any
+    t_in: Any
+    jparams: dict
+    jax_pre: Callable
+    jax_logits: Callable
+    jax_post: Callable
+    torch_ce: Callable
+
+
+def _lm_case_common(model: Any, params: dict, cfg: LMConfig, dtype: str, batch: int, seq: int, seed: int,
+                    tokens: Optional[np.ndarray], perturb: float) -> _LMCase:
+    """Check the dtype, draw the tokens, put a copy of the torch model and the params in the dtype, and
+    build the loss of both sides (summed next-token cross-entropy)."""
+    import copy
+
+    dtype = _check_dtype(dtype)
+    tokens = _tokens_for(cfg, batch, seq, seed, tokens)
+    model = copy.deepcopy(model).to(_torch_dtype(dtype)).eval()
+    jparams = _perturb(_cast_tree(params, dtype), perturb, seed)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     j_in, j_tg = jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32)
     t_tg = torch.from_numpy(targets)
@@ -205,7 +245,7 @@ def _lm_case_common(cfg: LMConfig, params: dict, tokens: np.ndarray, perturb: fl
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), t_tg.reshape(-1),
                                                  reduction="sum")
 
-    return jparams, inputs, jax_pre, jax_logits, jax_post, torch_ce
+    return _LMCase(dtype, model, torch.from_numpy(inputs), jparams, jax_pre, jax_logits, jax_post, torch_ce)
 
 
 def seed_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float32", batch: int = 2, seq: int = 32,
@@ -216,23 +256,30 @@ def seed_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float
     Loss: summed next-token cross-entropy on ``tokens`` (random ids by default).
     ``model`` and ``params`` must hold the same weights (e.g. both from one
     checkpoint import); the model is converted to ``dtype`` on a deep copy.
-    """
-    import copy
 
-    dtype = _check_dtype(dtype)
-    tokens = _tokens_for(cfg, batch, seq, seed, tokens)
-    model = copy.deepcopy(model).to(_torch_dtype(dtype)).eval()
-    params = _cast_tree(params, dtype)
-    jparams, inputs, jax_pre, jax_logits, jax_post, torch_ce = _lm_case_common(cfg, params, tokens, perturb, seed)
-    t_in = torch.from_numpy(inputs)
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm
+      >>> from interop.parity import run_parity, seed_lm_case
+      >>> cfg = LMConfig(32, 1, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16, max_seq_len=8))
+      >>> params = init_lm(jax.random.key(0), cfg)
+      >>> from interop.reference import seed_lm_from_params
+      >>> case = seed_lm_case(seed_lm_from_params(params, cfg), params, cfg, batch=1, seq=4)
+      >>> run_parity(case, pipelines=[]).ok
+      True
+    """
+    common = _lm_case_common(model, params, cfg, dtype, batch, seq, seed, tokens, perturb)
+    model, t_in = common.model, common.t_in
     named = _named_block_params(model.blocks, SEED_BLOCK)
     named["embed"] = model.embed.weight
     named["final_norm.scale"] = model.norm.weight
     if model.head is not None:
         named["lm_head"] = model.head.weight
     return ParityCase(
-        title, dtype, list(model.blocks), lambda: model.embed(t_in), lambda y: torch_ce(model.logits(y)), named,
-        jparams, decoder_block(cfg.block), jax_pre, jax_post, torch_logits=model.logits, jax_logits=jax_logits,
+        title, common.dtype, list(model.blocks), lambda: model.embed(t_in),
+        lambda y: common.torch_ce(model.logits(y)), named, common.jparams, decoder_block(cfg.block), common.jax_pre,
+        common.jax_post, torch_logits=model.logits, jax_logits=common.jax_logits,
         torch_model_logits=lambda: model(t_in))
 
 
@@ -261,22 +308,30 @@ def hf_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float32
     """Parity case for a ``transformers`` LlamaForCausalLM vs eae_jax LM params
     (``rope_style='half'``). The forward section also compares the logits of
     the unmodified ``model(tokens)`` call, so the per-layer wrapping used for
-    the boundaries is itself checked against the real model."""
-    import copy
+    the boundaries is itself checked against the real model.
 
-    dtype = _check_dtype(dtype)
-    tokens = _tokens_for(cfg, batch, seq, seed, tokens)
-    model = copy.deepcopy(model).to(_torch_dtype(dtype)).eval()
-    params = _cast_tree(params, dtype)
-    jparams, inputs, jax_pre, jax_logits, jax_post, torch_ce = _lm_case_common(cfg, params, tokens, perturb, seed)
-    t_in = torch.from_numpy(inputs)
+    Example:
+      >>> from interop.parity import hf_lm_case, run_parity
+      >>> import jax
+      >>> from interop.hf_llama import to_transformers
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm
+      >>> block = BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16, max_seq_len=8, rope_style="half")
+      >>> cfg = LMConfig(32, 1, block)
+      >>> params = init_lm(jax.random.key(0), cfg)
+      >>> report = run_parity(hf_lm_case(to_transformers(params, cfg), params, cfg, batch=1, seq=4), pipelines=[])
+      >>> report.ok
+      True
+    """
+    common = _lm_case_common(model, params, cfg, dtype, batch, seq, seed, tokens, perturb)
+    model, t_in = common.model, common.t_in
     inner = model.model
     blocks = [_HFLayer(layer, inner.rotary_emb) for layer in inner.layers]
     named = {}
     for i, layer in enumerate(inner.layers):
         for k, p in layer.named_parameters():
-            a, c = HF_BLOCK.keys[k]
-            named[f"blocks.{i}.{a}.{c}"] = p
+            module, leaf = HF_BLOCK.keys[k]
+            named[f"blocks.{i}.{module}.{leaf}"] = p
     named["embed"] = inner.embed_tokens.weight
     named["final_norm.scale"] = inner.norm.weight
     if not cfg.tie_embeddings:
@@ -285,9 +340,10 @@ def hf_lm_case(model: Any, params: dict, cfg: LMConfig, *, dtype: str = "float32
     def torch_logits(y):
         return model.lm_head(inner.norm(y)).float()
 
-    return ParityCase(title, dtype, blocks, lambda: inner.embed_tokens(t_in), lambda y: torch_ce(torch_logits(y)),
-                      named, jparams, decoder_block(cfg.block), jax_pre, jax_post, torch_logits=torch_logits,
-                      jax_logits=jax_logits, torch_model_logits=lambda: model(t_in).logits)
+    return ParityCase(title, common.dtype, blocks, lambda: inner.embed_tokens(t_in),
+                      lambda y: common.torch_ce(torch_logits(y)), named, common.jparams, decoder_block(cfg.block),
+                      common.jax_pre, common.jax_post, torch_logits=torch_logits, jax_logits=common.jax_logits,
+                      torch_model_logits=lambda: model(t_in).logits)
 
 
 def checkpoint_case(path: str, *, dtype: str = "float32", batch: int = 2, seq: int = 16, seed: int = 0,
@@ -302,6 +358,17 @@ def checkpoint_case(path: str, *, dtype: str = "float32", batch: int = 2, seq: i
 
     Raises:
       UnknownFormatError (and the loaders' errors) for anything else.
+
+    Example:
+      >>> import os, tempfile, jax
+      >>> from eae_jax.models import init_lm
+      >>> from interop.llama2c import lm_config_from_model_args, save_llama2c_bin
+      >>> from interop.parity import checkpoint_case, run_parity
+      >>> args = {"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 32, "hidden_dim": 16, "max_seq_len": 8}
+      >>> path, cfg = os.path.join(tempfile.mkdtemp(), "m.bin"), lm_config_from_model_args(args)
+      >>> save_llama2c_bin(path, init_lm(jax.random.key(0), cfg), cfg)
+      >>> run_parity(checkpoint_case(path, batch=1, seq=4), pipelines=[]).ok
+      True
     """
     from interop.errors import UnknownFormatError
     from interop.safe_load import detect_format, load_torch_file

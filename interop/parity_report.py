@@ -11,7 +11,14 @@ import numpy as np
 class Row(NamedTuple):
     """One comparison: ``section`` (forward / grad / adjoint[...]), ``name``
     (x3, block 2, dL/dx0 ...), the three metrics, the tolerance applied and
-    whether the row passes."""
+    whether the row passes.
+
+    Example:
+      >>> from interop.parity_report import Row
+      >>> row = Row("forward", "x1", max_abs=1e-7, rel=2e-7, cos=1.0, tol=1e-5, ok=True)
+      >>> row.section, row.ok
+      ('forward', True)
+    """
 
     section: str
     name: str
@@ -31,6 +38,15 @@ def compare(got: Any, want: Any) -> tuple:
 
     Raises:
       ValueError: shapes differ.
+
+    Example:
+      >>> import numpy as np
+      >>> from interop.parity_report import compare
+      >>> compare(np.array([3.0, 4.0]), np.array([3.0, 4.0]))
+      (0.0, 0.0, 1.0)
+      >>> max_abs, rel, cos = compare(np.array([3.0, 4.5]), np.array([3.0, 4.0]))
+      >>> max_abs, rel                                               # 0.5 / ||(3, 4)|| = 0.1
+      (0.5, 0.1)
     """
     a = np.asarray(got, np.float64).ravel()
     b = np.asarray(want, np.float64).ravel()
@@ -60,6 +76,15 @@ class ParityReport:
       dtype: the compute dtype name (selects the tolerance).
       rows: every comparison.
       info: extra facts (shapes, seeds, loss values ...).
+
+    Example:
+      >>> from interop.parity_report import ParityReport, Row
+      >>> rows = [Row("forward", "x1", 1e-7, 2e-7, 1.0, 1e-5, True), Row("grad", "wq", 1e-3, 3e-3, 0.99, 1e-5, False)]
+      >>> report = ParityReport("demo", "float32", rows, {})
+      >>> report.ok, [r.name for r in report.failures], report.worst("grad")
+      (False, ['wq'], 0.003)
+      >>> ParityReport("empty", "float32", [], {}).ok                 # nothing compared proves nothing
+      False
     """
 
     title: str

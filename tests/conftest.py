@@ -107,17 +107,76 @@ def hf_params(cfg: dict):
     return init_lm(jax.random.key(0), lm), lm
 
 
-def small_llama2c_bytes(tmp_path, version: int, shared: bool = True) -> bytes:
-    """The bytes of a one-layer llama2.c export (``version`` 0 or 1) of random params."""
-    import interop
-    from eae_jax.blocks import BlockConfig
-    from eae_jax.models import LMConfig, init_lm
+#: llama2.c's ``.bin`` tensors in file order, from its export.py (``legacy_export``: version 0,
+#: ``version1_export``: version 1) and run.c's ``memory_map_weights``, written here from the format,
+#: not from interop's reader. Names are run.c's; ``wcls`` follows only when the classifier is untied.
+LLAMA2C_BIN_ORDER = {
+    0: ("token_embedding_table", "rms_att_weight", "wq", "wk", "wv", "wo", "rms_ffn_weight", "w1", "w2", "w3",
+        "rms_final_weight", "freq_cis_real", "freq_cis_imag"),
+    1: ("rms_att_weight", "rms_ffn_weight", "rms_final_weight", "token_embedding_table", "wq", "wk", "wv", "wo",
+        "w1", "w2", "w3"),
+}
 
-    lm = LMConfig(11, 1, BlockConfig(16, 4, 2, 20, norm_eps=1e-5, max_seq_len=7), tie_embeddings=shared)
-    path = str(tmp_path / f"m{version}.bin")
-    interop.save_llama2c_bin(path, init_lm(jax.random.key(0), lm), lm, version=version)
-    with open(path, "rb") as f:
-        return f.read()
+
+def llama2c_spec_tensors(dim=16, hidden=20, layers=1, heads=4, kv=2, vocab=11, seq=7, shared=True):
+    """``(header, tensors)`` of a llama2.c model whose every tensor holds values no other tensor holds.
+
+    ``header`` is run.c's Config ``(dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len)``;
+    ``tensors`` maps run.c's names to float32 arrays in stored shape (layer outermost, matrices
+    ``[out, in]``): tensor ``k`` holds ``k + i / 1024`` (exact in float32), so a swapped pair of equal
+    shape is seen. The RoPE tables are model.py's ``precompute_freqs_cis`` (base 10000; needs torch).
+    """
+    hd = dim // heads
+    shapes = {"token_embedding_table": (vocab, dim), "rms_att_weight": (layers, dim),
+              "wq": (layers, dim, dim), "wk": (layers, kv * hd, dim), "wv": (layers, kv * hd, dim),
+              "wo": (layers, dim, dim), "rms_ffn_weight": (layers, dim), "w1": (layers, hidden, dim),
+              "w2": (layers, dim, hidden), "w3": (layers, hidden, dim), "rms_final_weight": (dim,)}
+    if not shared:
+        shapes["wcls"] = (vocab, dim)
+    tensors = {}
+    for k, (name, shape) in enumerate(shapes.items(), start=1):
+        n = int(np.prod(shape))
+        assert n < 1024, "values k + i/1024 must stay distinct between tensors"
+        tensors[name] = (np.float32(k) + np.arange(n, dtype=np.float32) / np.float32(1024)).reshape(shape)
+    import torch  # model.py's float32 torch arithmetic, so the tables are the bits llama2.c writes
+
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, hd, 2)[: hd // 2].float() / hd))
+    angles = torch.outer(torch.arange(seq), freqs).float()
+    tensors["freq_cis_real"], tensors["freq_cis_imag"] = torch.cos(angles).numpy(), torch.sin(angles).numpy()
+    return (dim, hidden, layers, heads, kv, vocab, seq), tensors
+
+
+def llama2c_bin_bytes(header, tensors, version: int, order=None) -> bytes:
+    """A llama2.c ``.bin`` written with ``struct`` after export.py: the header, then ``order``'s tensors.
+
+    Version 0: 7 little-endian int32, vocab_size negated when a ``wcls`` follows. Version 1: uint32
+    magic ``ak42``, int32 version, the 7 int32, a uint8 shared-classifier flag, zeros to byte 256.
+    ``order`` defaults to `LLAMA2C_BIN_ORDER` (a test may swap two names to plant a bug).
+    """
+    import struct
+
+    dim, hidden, layers, heads, kv, vocab, seq = header
+    shared = "wcls" not in tensors
+    if version == 0:
+        out = struct.pack("<7i", dim, hidden, layers, heads, kv, vocab if shared else -vocab, seq)
+    else:
+        out = struct.pack("<Ii7iB", 0x616B3432, 1, dim, hidden, layers, heads, kv, vocab, seq, int(shared))
+        out += b"\0" * (256 - len(out))
+    names = list(order or LLAMA2C_BIN_ORDER[version]) + ([] if shared else ["wcls"])
+    for name in names:
+        out += struct.pack(f"<{tensors[name].size}f", *tensors[name].ravel().tolist())
+    return out
+
+
+def small_llama2c_bytes(tmp_path, version: int, shared: bool = True) -> bytes:
+    """The bytes of a one-layer llama2.c export (``version`` 0 or 1), also written to ``tmp_path/m{version}.bin``.
+
+    Written from the format (`llama2c_bin_bytes`), not by interop: dim 16, hidden 20, 4 heads, 2 kv heads,
+    vocab 11, seq_len 7.
+    """
+    data = llama2c_bin_bytes(*llama2c_spec_tensors(shared=shared), version)
+    (tmp_path / f"m{version}.bin").write_bytes(data)
+    return data
 
 
 @pytest.fixture(scope="session")
@@ -170,3 +229,11 @@ def run_worker(mode: str, tmp_path, devices: int = 8, timeout: float = 600, env:
                           env=full_env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"parallel_worker {mode} failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.fixture(autouse=True)
+def _fresh_jit_caches_for_mutmut_stats():
+    """mutmut (docs/testing.md) maps each test to the library functions it calls by recording the
+    calls, but a jit cache hit skips the Python call: during its stats run every test starts with
+    empty caches, so a test is mapped to every function it runs."""
+    if os.environ.get("MUTANT_UNDER_TEST") == "stats":
+        jax.clear_caches()
+    yield

@@ -727,6 +727,31 @@ def test_bad_hyperparameters_raise_value_error(factory, arg):
         factory(arg)
 
 
+@pytest.mark.parametrize("arg,message", [(0.0, "max_norm must be > 0.0, got 0.0"),
+                                         (-1.0, "max_norm must be > 0.0, got -1.0"),
+                                         (float("nan"), "max_norm must not be NaN")])
+def test_clip_by_norm_names_itself_and_the_bound_it_refuses(arg, message):
+    """The whole message: the pass, the argument and the rule (0 itself is refused: the bound is open)."""
+    with pytest.raises(ValueError) as err:
+        P.clip_by_norm(arg)
+    assert str(err.value) == f"clip_by_norm: {message}"
+    assert P.clip_by_norm(0.5).name == "clip_by_norm(0.5)"
+
+
+def test_clip_by_norm_leaves_an_adjoint_exactly_at_the_bound_alone():
+    """norm == max_norm is not clipped (the rule is norm > max_norm); the integer spec is refused by name."""
+    g = jnp.array([3.0, 4.0], jnp.float32)  # norm exactly 5 in float32
+    clip = P.clip_by_norm(5.0)
+    ctx = P.PassContext(boundary=jnp.int32(1), block=jnp.int32(1), step=jnp.int32(0), num_boundaries=2)
+    out, state = clip.update(g, clip.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None), ctx)
+    assert not bool(state.clipped) and float(state.norm) == 5.0
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(g))
+    out, state = P.clip_by_norm(4.0).update(g, state, ctx)
+    assert bool(state.clipped)
+    with pytest.raises(TypeError, match="^clip_by_norm: "):
+        clip.init(jax.ShapeDtypeStruct((3,), jnp.int32), None)
+
+
 def test_pass_init_rejects_integer_adjoint_spec():
     with pytest.raises(TypeError, match="floating"):
         P.int8_fake_quant().init(jax.ShapeDtypeStruct((3,), jnp.int32), jax.random.key(0))

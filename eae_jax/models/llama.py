@@ -37,6 +37,13 @@ class LMConfig:
       depth: number of decoder blocks L.
       block: the block configuration (width, heads, RoPE convention ...).
       tie_embeddings: the head reuses the embedding table (llama2.c style).
+
+    Example:
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig
+      >>> cfg = LMConfig(vocab_size=16, depth=2, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
+      >>> cfg.depth, cfg.block.head_dim, cfg.tie_embeddings
+      (2, 4, False)
     """
 
     vocab_size: int
@@ -68,7 +75,18 @@ class LMConfig:
 
 
 def init_lm(key: jax.Array, cfg: LMConfig, dtype=jnp.float32) -> dict:
-    """Random params for ``cfg`` (embedding ~ N(0, 1), blocks as `init_stack`)."""
+    """Random params for ``cfg`` (embedding ~ N(0, 1), blocks as `init_stack`).
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm
+      >>> params = init_lm(jax.random.key(0), LMConfig(16, 2, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16)))
+      >>> sorted(params), params["embed"].shape
+      (['blocks', 'embed', 'final_norm', 'lm_head'], (16, 8))
+      >>> params["blocks"]["attn"]["wq"].shape                       # stacked over the depth
+      (2, 8, 8)
+    """
     ke, kb, kh = jax.random.split(key, 3)
     params = {
         "embed": jax.random.normal(ke, (cfg.vocab_size, cfg.dim), dtype),
@@ -81,7 +99,19 @@ def init_lm(key: jax.Array, cfg: LMConfig, dtype=jnp.float32) -> dict:
 
 
 def check_lm_params(params: Any, cfg: LMConfig) -> None:
-    """Raise ValueError listing every missing, unexpected or mis-shaped entry."""
+    """Raise ValueError listing every missing, unexpected or mis-shaped entry.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, check_lm_params, init_lm
+      >>> cfg = LMConfig(16, 1, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
+      >>> check_lm_params(init_lm(jax.random.key(0), cfg), cfg)      # fits: nothing raised
+      >>> check_lm_params({"embed": jnp.zeros((4, 8))}, cfg)
+      Traceback (most recent call last):
+      ...
+      ValueError: ...embed...
+    """
     if not isinstance(params, dict):
         raise ValueError(f"LM params must be a dict, got {type(params).__name__}")
     want = {"embed", "blocks", "final_norm"} | (set() if cfg.tie_embeddings else {"lm_head"})
@@ -130,6 +160,13 @@ def embed(table: jax.Array, tokens: jax.Array, dtype: Optional[Any] = None) -> j
     Raises:
       TypeError: non-integer ids.
       ValueError: concrete ids outside ``[0, V)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.models import embed
+      >>> table = jnp.arange(6.0).reshape(3, 2)
+      >>> embed(table, jnp.array([[2, 0]])).tolist()
+      [[[4.0, 5.0], [0.0, 1.0]]]
     """
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"token ids must be integers, got dtype {tokens.dtype}")
@@ -139,7 +176,16 @@ def embed(table: jax.Array, tokens: jax.Array, dtype: Optional[Any] = None) -> j
 
 
 def head(final_norm: dict, table: jax.Array, x: jax.Array, eps: float) -> jax.Array:
-    """Final RMSNorm then ``x @ table.T``; logits in float32 ``(batch, seq, V)``."""
+    """Final RMSNorm then ``x @ table.T``; logits in float32 ``(batch, seq, V)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.models import head
+      >>> table = jnp.eye(3, 2)                                    # V=3 tokens, D=2
+      >>> logits = head({"scale": jnp.ones(2)}, table, jnp.array([[[3.0, 4.0]]]), eps=0.0)
+      >>> logits.dtype, [round(v, 4) for v in logits[0, 0].tolist()]    # RMSNorm: (3, 4) / rms 3.5355
+      (dtype('float32'), [0.8485, 1.1314, 0.0])
+    """
     h = rms_norm(final_norm, x, eps)
     return linear(h, table.astype(h.dtype)).astype(jnp.float32)
 
@@ -154,6 +200,15 @@ def lm_apply(params: dict, tokens: jax.Array, cfg: LMConfig, remat_policy: Any =
     Raises:
       ValueError: params that do not fit ``cfg`` (`check_lm_params`), or
         concrete token ids outside ``[0, V)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm, lm_apply
+      >>> cfg = LMConfig(vocab_size=16, depth=1, block=BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16))
+      >>> logits = lm_apply(init_lm(jax.random.key(0), cfg), jnp.zeros((2, 5), jnp.int32), cfg)
+      >>> logits.shape, logits.dtype
+      ((2, 5, 16), dtype('float32'))
     """
     check_lm_params(params, cfg)
     x = embed(params["embed"], tokens, cfg.block.compute_dtype)
@@ -169,6 +224,15 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: Optional[jax.Arra
 
     Raises:
       ValueError: concrete targets outside ``[0, V)`` where they count.
+
+    Example:
+      >>> import math, jax.numpy as jnp
+      >>> from eae_jax.models import cross_entropy
+      >>> logits = jnp.zeros((1, 3, 4))                            # uniform over V=4
+      >>> round(float(cross_entropy(logits, jnp.array([[0, 1, 3]]))), 6) == round(math.log(4), 6)
+      True
+      >>> float(cross_entropy(logits, jnp.array([[0, -100, 3]]), mask=jnp.array([[1, 0, 1]])))  # ignored target
+      1.3862943649291992
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
@@ -201,6 +265,16 @@ def lm_stack(cfg: LMConfig, block_fn=None, **reconstruct_kwargs):
     Returns:
       A `Reconstructed` whose params are ``split_params(params, cfg)`` and
       whose output is float32 logits.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.models import LMConfig, init_lm, lm_apply, lm_stack, split_params
+      >>> from eae_jax.blocks import BlockConfig
+      >>> cfg, tokens = LMConfig(16, 2, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16)), jnp.array([[1, 2, 3]])
+      >>> params = init_lm(jax.random.key(0), cfg)
+      >>> logits = lm_stack(cfg)(split_params(params, cfg), tokens)     # [embedding, Scan(blocks), head]
+      >>> bool(jnp.allclose(logits, lm_apply(params, tokens, cfg), atol=1e-5))
+      True
     """
     dtype = cfg.block.compute_dtype
     eps = cfg.block.norm_eps
@@ -218,12 +292,35 @@ def lm_stack(cfg: LMConfig, block_fn=None, **reconstruct_kwargs):
 
 
 def split_params(params: dict, cfg: LMConfig) -> list:
-    """Dict params -> the segment list `lm_stack` takes."""
+    """Dict params -> the segment list `lm_stack` takes.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, init_lm, split_params
+      >>> tied = LMConfig(16, 1, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16), tie_embeddings=True)
+      >>> params = init_lm(jax.random.key(0), tied)
+      >>> embedding, blocks, head = split_params(params, tied)
+      >>> sorted(head), head["table"] is embedding is params["embed"]     # the tied head reads the embedding
+      (['final_norm', 'table'], True)
+    """
     return [params["embed"], params["blocks"], {"final_norm": params["final_norm"], "table": _head_table(params, cfg)}]
 
 
 def merge_grads(grads: list, cfg: LMConfig) -> dict:
-    """Segment-list gradients -> the dict layout (tied tables summed)."""
+    """Segment-list gradients -> the dict layout (tied tables summed).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.blocks import BlockConfig
+      >>> from eae_jax.models import LMConfig, cross_entropy, init_lm, lm_stack, merge_grads, split_params
+      >>> cfg = LMConfig(16, 1, BlockConfig(dim=8, num_heads=2, ffn_hidden_dim=16), tie_embeddings=True)
+      >>> tokens = jnp.array([[1, 2, 3]])
+      >>> loss = lambda segments: cross_entropy(lm_stack(cfg)(segments, tokens[:, :-1]), tokens[:, 1:])
+      >>> grads = jax.grad(loss)(split_params(init_lm(jax.random.key(0), cfg), cfg))
+      >>> sorted(merge_grads(grads, cfg))                            # the tied head's gradient joins "embed"
+      ['blocks', 'embed', 'final_norm']
+    """
     g_embed, g_blocks, g_head = grads
     out = {"embed": g_embed, "blocks": g_blocks, "final_norm": g_head["final_norm"]}
     if cfg.tie_embeddings:

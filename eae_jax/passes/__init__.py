@@ -8,18 +8,8 @@ optax chain; numeric hyper-parameters may follow optax schedules of the step
 (`eae_jax.passes.schedule`).
 """
 
-from eae_jax.passes.base import (
-    AdjointTransformation,
-    EmptyState,
-    PassContext,
-    as_pass,
-    at_layers,
-    chain,
-    every_n_steps,
-    from_optax,
-    identity,
-    stateless,
-)
+from eae_jax.passes.base import (AdjointTransformation, EmptyState, PassContext, as_pass, at_layers, chain,
+                                 every_n_steps, from_optax, identity, stateless)
 from eae_jax.passes.capture import CaptureState, capture
 from eae_jax.passes.clip import ClipState, clip_by_norm
 from eae_jax.passes.fp8 import Fp8State, fp8_format_max, fp8_quant

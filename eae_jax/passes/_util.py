@@ -10,7 +10,14 @@ import jax.numpy as jnp
 
 
 def require_float_spec(name: str, spec: Any) -> None:
-    """Raise TypeError naming the pass when ``spec`` is not a floating array spec."""
+    """Raise TypeError naming the pass when ``spec`` is not a floating array spec.
+
+    >>> require_float_spec("my_pass", jax.ShapeDtypeStruct((2,), jnp.float32))
+    >>> require_float_spec("my_pass", jax.ShapeDtypeStruct((2,), jnp.int32))
+    Traceback (most recent call last):
+    ...
+    TypeError: my_pass: adjoints are floating arrays; got dtype int32
+    """
     if not hasattr(spec, "shape") or not hasattr(spec, "dtype"):
         raise TypeError(f"{name}: init expects a jax.ShapeDtypeStruct of the adjoint, got {spec!r}")
     if not jnp.issubdtype(spec.dtype, jnp.floating):
@@ -25,6 +32,13 @@ def require_number(name: str, what: str, value: Any, *, low=None, high=None, low
         static hyper-parameters, not traced values).
       ValueError: outside ``[low, high]`` (open ends with ``low_open`` /
         ``high_open``).
+
+    >>> require_number("clip", "max_norm", 2, low=0.0, low_open=True)
+    2.0
+    >>> require_number("clip", "max_norm", 0.0, low=0.0, low_open=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: clip: max_norm must be > 0.0, got 0.0
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: {what} must be a Python number, got {value!r}")
@@ -39,7 +53,15 @@ def require_number(name: str, what: str, value: Any, *, low=None, high=None, low
 
 
 def require_int(name: str, what: str, value: Any, *, low: int = 0) -> int:
-    """Validate a static Python int >= ``low``."""
+    """Validate a static Python int >= ``low``.
+
+    >>> require_int("every_n_steps", "n", 3, low=1)
+    3
+    >>> require_int("every_n_steps", "n", True, low=1)
+    Traceback (most recent call last):
+    ...
+    TypeError: every_n_steps: n must be a Python int, got True
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: {what} must be a Python int, got {value!r}")
     if int(value) < low:
@@ -53,6 +75,9 @@ def abs_max(t: jax.Array) -> jax.Array:
     0 is the identity of a max over magnitudes, so a size-0 adjoint counts
     as an all-zero one (`jnp.max` of an empty array raises instead). The
     size is static, so this is a trace-time choice.
+
+    >>> float(abs_max(jnp.array([1.0, -3.0]))), float(abs_max(jnp.zeros((0, 4))))
+    (3.0, 0.0)
     """
     if t.size == 0:
         return jnp.zeros((), t.dtype)
@@ -106,6 +131,9 @@ def round_trip(x: jax.Array, dtype: Any, back: Any) -> jax.Array:
     excess precision is allowed (``xla_allow_excess_precision``, on by default
     on GPU). The optimization barrier between the two casts keeps the narrow
     value materialised, so the rounding the pass promises really happens.
+
+    >>> round_trip(jnp.array([1.0 + 2**-12]), jnp.float16, jnp.float32).tolist()   # below fp16's ulp at 1
+    [1.0]
     """
     narrow = jax.lax.optimization_barrier(x.astype(dtype))
     return narrow.astype(back)
@@ -120,6 +148,9 @@ def divide_exact(a: jax.Array, b: jax.Array) -> jax.Array:
     (``round(g / scale)``), the divisor is materialised at ``a``'s shape
     behind an optimization barrier so XLA sees a plain elementwise divide.
     This costs one temporary of ``a``'s size.
+
+    >>> divide_exact(jnp.array([1.0, 3.0]), 2.0).tolist()
+    [0.5, 1.5]
     """
     b = jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape)
     return a / jax.lax.optimization_barrier(b)

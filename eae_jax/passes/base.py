@@ -38,6 +38,13 @@ class PassContext(NamedTuple):
       step: int32 scalar, how many updates the carry has been through (the
         training step, counted by `Reconstructed.update`).
       num_boundaries: static int, ``L + 1``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.passes import PassContext
+      >>> ctx = PassContext(boundary=jnp.int32(2), block=jnp.int32(2), step=jnp.int32(0), num_boundaries=4)
+      >>> int(ctx.boundary), ctx.num_boundaries
+      (2, 4)
     """
 
     boundary: jax.Array
@@ -59,6 +66,14 @@ class AdjointTransformation(NamedTuple):
         saying where ``update`` really applies the pass (`at_layers`,
         `every_n_steps`); None: at every boundary and step. Events use it
         to report only statistics measured in the step.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import AdjointTransformation, EmptyState
+      >>> halve = AdjointTransformation(lambda spec, key: EmptyState(), lambda g, s, ctx: (g / 2, s), name="halve")
+      >>> g = jnp.ones(3)
+      >>> halve.update(g, halve.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None), None)[0].tolist()
+      [0.5, 0.5, 0.5]
     """
 
     init: Callable[[jax.ShapeDtypeStruct, jax.Array], Any]
@@ -70,13 +85,29 @@ class AdjointTransformation(NamedTuple):
 
 def runs_at(pass_: AdjointTransformation, boundary: int, num_boundaries: int, step: int) -> bool:
     """Whether ``pass_`` is applied at ``boundary`` of a stack with
-    ``num_boundaries`` boundaries in train step ``step`` (host-side)."""
+    ``num_boundaries`` boundaries in train step ``step`` (host-side).
+
+    Example:
+      >>> from eae_jax.passes import at_layers, every_n_steps, identity
+      >>> from eae_jax.passes.base import runs_at
+      >>> [runs_at(at_layers(identity(), [-1]), b, num_boundaries=4, step=0) for b in range(4)]
+      [False, False, False, True]
+      >>> [runs_at(every_n_steps(identity(), 2), 0, num_boundaries=4, step=s) for s in range(3)]
+      [True, False, True]
+    """
     rule = getattr(pass_, "runs_at", None)
     return True if rule is None else bool(rule(int(boundary), int(num_boundaries), int(step)))
 
 
 class EmptyState(NamedTuple):
-    """State of a stateless pass."""
+    """State of a stateless pass.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.passes import EmptyState, identity
+      >>> identity().init(jax.ShapeDtypeStruct((2,), "float32"), None) == EmptyState()
+      True
+    """
 
 
 def stateless(fn: Callable[[jax.Array, PassContext], jax.Array], name: str) -> AdjointTransformation:
@@ -84,6 +115,15 @@ def stateless(fn: Callable[[jax.Array, PassContext], jax.Array], name: str) -> A
 
     ``init`` checks that it is given a floating adjoint spec (TypeError
     naming the pass otherwise).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import stateless
+      >>> negate = stateless(lambda g, ctx: -g, "negate")
+      >>> g = jnp.array([1.0, -2.0])
+      >>> state = negate.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None)
+      >>> negate.update(g, state, None)[0].tolist(), state
+      ([-1.0, 2.0], EmptyState())
     """
 
     def init(spec, key):
@@ -100,7 +140,17 @@ def stateless(fn: Callable[[jax.Array, PassContext], jax.Array], name: str) -> A
 
 
 def check_adjoint(name: str, before: jax.Array, after: Any) -> None:
-    """Raise TypeError naming the pass when it changed the adjoint's shape or dtype."""
+    """Raise TypeError naming the pass when it changed the adjoint's shape or dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.passes.base import check_adjoint
+      >>> check_adjoint("same", jnp.ones(3), jnp.zeros(3))
+      >>> check_adjoint("shorter", jnp.ones(3), jnp.ones(2))
+      Traceback (most recent call last):
+      ...
+      TypeError: adjoint pass 'shorter' returned an adjoint of shape (2,) dtype float32; it received shape (3,) ...
+    """
     if not hasattr(after, "shape") or not hasattr(after, "dtype"):
         raise TypeError(f"adjoint pass {name!r} returned {type(after).__name__}, expected an array")
     if tuple(after.shape) != tuple(before.shape) or after.dtype != before.dtype:
@@ -111,7 +161,19 @@ def check_adjoint(name: str, before: jax.Array, after: Any) -> None:
 
 
 def apply_pass(pass_: AdjointTransformation, adjoint: jax.Array, state: Any, ctx: PassContext):
-    """Run ``pass_.update`` and check the result (see `check_adjoint`)."""
+    """Run ``pass_.update`` and check the result (see `check_adjoint`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.passes import EmptyState, decay, stateless
+      >>> from eae_jax.passes.base import apply_pass
+      >>> apply_pass(decay(0.5), jnp.ones(2), EmptyState(), None)[0].tolist()
+      [0.5, 0.5]
+      >>> apply_pass(stateless(lambda g, ctx: g.astype("float16"), "to_fp16"), jnp.ones(2), EmptyState(), None)
+      Traceback (most recent call last):
+      ...
+      TypeError: adjoint pass 'to_fp16' returned an adjoint of shape (2,) dtype float16; ...
+    """
     result = pass_.update(adjoint, state, ctx)
     if not isinstance(result, tuple) or len(result) != 2:
         raise TypeError(f"adjoint pass {pass_.name!r} must return (adjoint, state), got {type(result).__name__}")
@@ -128,6 +190,16 @@ def as_pass(obj: Any) -> AdjointTransformation:
 
     Raises:
       TypeError: anything else.
+
+    Example:
+      >>> import optax
+      >>> from eae_jax.passes import as_pass, clip_by_norm
+      >>> as_pass(clip_by_norm(1.0)).name, as_pass(optax.scale(0.5)).name.startswith("optax:")
+      ('clip_by_norm(1)', True)
+      >>> as_pass(lambda g: g)
+      Traceback (most recent call last):
+      ...
+      TypeError: <function <lambda> at ...> is not an adjoint pass; expected an eae_jax.passes.AdjointTransformation ...
     """
     if isinstance(obj, AdjointTransformation):
         return obj
@@ -152,6 +224,15 @@ def from_optax(tx: Any, name: str | None = None) -> AdjointTransformation:
     decay, do not make sense on an adjoint). ``tx.init`` sees a zero array of
     the adjoint's shape. Examples: `optax.clip_by_global_norm`,
     `optax.add_noise`, `optax.scale`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from eae_jax.passes import from_optax
+      >>> p = from_optax(optax.clip_by_global_norm(1.0), name="clip_global")
+      >>> g = jnp.array([3.0, 4.0])
+      >>> out, _ = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None), None)
+      >>> p.name, [round(float(x), 4) for x in out]
+      ('clip_global', [0.6, 0.8])
     """
     label = name or f"optax:{getattr(tx, '__name__', type(tx).__name__)}"
 
@@ -179,6 +260,15 @@ def chain(*passes: Any) -> AdjointTransformation:
 
     The state is a tuple with one entry per member; the key given to
     ``init`` is split once per member.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import chain, clip_by_norm, decay
+      >>> p = chain(decay(0.5), chain(clip_by_norm(1.0)))      # flattened: two members
+      >>> g = jnp.array([3.0, 4.0])
+      >>> out, state = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), jax.random.key(0)), None)
+      >>> p.name, [round(float(x), 4) for x in out], float(state[1].norm)   # the norm clip saw: 2.5
+      ('chain(decay(0.5), clip_by_norm(1))', [0.6, 0.8], 2.5)
     """
     members = []
     for p in passes:
@@ -204,7 +294,14 @@ def chain(*passes: Any) -> AdjointTransformation:
 
 
 def identity() -> AdjointTransformation:
-    """The pass that leaves the adjoint alone (what ``passes=None`` means)."""
+    """The pass that leaves the adjoint alone (what ``passes=None`` means).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.passes import EmptyState, identity
+      >>> identity().update(jnp.array([1.0, 2.0]), EmptyState(), None)[0].tolist()
+      [1.0, 2.0]
+    """
     return stateless(lambda g, ctx: g, "identity")
 
 
@@ -220,6 +317,15 @@ def at_layers(pass_: Any, layers: Sequence[int]) -> AdjointTransformation:
       TypeError: ``layers`` is not a sequence of Python ints.
       ValueError (at trace time): an index outside ``[-(L+1), L]`` for a
         stack with boundaries x0..xL (it would otherwise wrap around).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import PassContext, at_layers, decay
+      >>> p = at_layers(decay(1.0), [-1])        # zero the adjoint at the stack's output x2 only
+      >>> g = jnp.ones(2)
+      >>> state = p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None)
+      >>> [p.update(g, state, PassContext(jnp.int32(b), jnp.int32(b), jnp.int32(0), 3))[0].tolist() for b in range(3)]
+      [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
     """
     import numbers
 
@@ -264,6 +370,15 @@ def every_n_steps(pass_: Any, n: int) -> AdjointTransformation:
 
     Raises:
       TypeError / ValueError: ``n`` is not a Python int >= 1.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import PassContext, decay, every_n_steps
+      >>> p = every_n_steps(decay(0.5), 2)
+      >>> g = jnp.ones(1)
+      >>> state = p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None)
+      >>> [p.update(g, state, PassContext(jnp.int32(0), jnp.int32(0), jnp.int32(s), 2))[0].tolist() for s in range(3)]
+      [[0.5], [1.0], [0.5]]
     """
     from eae_jax.passes._util import require_int
 

@@ -16,6 +16,12 @@ class CaptureState(NamedTuple):
     Attributes:
       adjoint: the adjoint as it reached `capture` in the last backward pass
         (zeros before the first; shape and dtype of the adjoint).
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.passes import capture
+      >>> capture().init(jax.ShapeDtypeStruct((2,), "float32"), None).adjoint.tolist()
+      [0.0, 0.0]
     """
 
     adjoint: jax.Array
@@ -36,6 +42,15 @@ def capture() -> AdjointTransformation:
 
     Returns:
       An `AdjointTransformation` with `CaptureState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import capture
+      >>> p = capture()
+      >>> g = jnp.array([1.0, -2.0])
+      >>> out, state = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None), None)
+      >>> out.tolist(), state.adjoint.tolist()
+      ([1.0, -2.0], [1.0, -2.0])
     """
     name = "capture"
 

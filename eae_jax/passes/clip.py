@@ -18,6 +18,12 @@ class ClipState(NamedTuple):
     Attributes:
       norm: float32 scalar, the adjoint's norm before clipping (last call).
       clipped: bool scalar, whether the last call rescaled the adjoint.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.passes import clip_by_norm
+      >>> clip_by_norm(1.0).init(jax.ShapeDtypeStruct((4,), "float32"), None)
+      ClipState(norm=Array(0., dtype=float32), clipped=Array(False, dtype=bool))
     """
 
     norm: jax.Array
@@ -59,6 +65,18 @@ def clip_by_norm(max_norm: ScalarOrSchedule) -> AdjointTransformation:
     Raises:
       TypeError / ValueError: ``max_norm`` is not a positive number.
       TypeError (at init): the adjoint spec is not a floating array spec.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import clip_by_norm
+      >>> p = clip_by_norm(1.0)
+      >>> g = jnp.array([3.0, 4.0])
+      >>> out, state = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None), None)
+      >>> [round(float(x), 4) for x in out], float(state.norm), bool(state.clipped)
+      ([0.6, 0.8], 5.0, True)
+      >>> out, state = p.update(jnp.array([0.6, 0.8]), state, None)     # norm 1.0: not above the bound
+      >>> bool(state.clipped)
+      False
     """
     name = "clip_by_norm"
     bound = hyper(name, "max_norm", max_norm, low=0.0, low_open=True)

@@ -20,6 +20,12 @@ class GuardState(NamedTuple):
     Attributes:
       count: int32 scalar, calls so far whose adjoint had a NaN/Inf entry.
       last_bad: int32 scalar, number of NaN/Inf entries in the last adjoint.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.passes import nonfinite_guard
+      >>> nonfinite_guard().init(jax.ShapeDtypeStruct((2,), "float32"), None)
+      GuardState(count=Array(0, dtype=int32), last_bad=Array(0, dtype=int32))
     """
 
     count: jax.Array
@@ -27,7 +33,13 @@ class GuardState(NamedTuple):
 
 
 class NonFiniteAdjointError(FloatingPointError):
-    """Raised on the host by ``nonfinite_guard(policy='raise')``."""
+    """Raised on the host by ``nonfinite_guard(policy='raise')``.
+
+    Example:
+      >>> from eae_jax.passes import NonFiniteAdjointError
+      >>> issubclass(NonFiniteAdjointError, FloatingPointError)
+      True
+    """
 
 
 def _raise_if_bad(boundary, bad, numel):
@@ -65,6 +77,18 @@ def nonfinite_guard(policy: str = "zero") -> AdjointTransformation:
 
     Raises:
       ValueError: unknown policy.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import nonfinite_guard
+      >>> g = jnp.array([1.0, jnp.nan, jnp.inf])
+      >>> spec = jax.ShapeDtypeStruct(g.shape, g.dtype)
+      >>> for policy in ("zero", "skip"):
+      ...     p = nonfinite_guard(policy)
+      ...     out, state = p.update(g, p.init(spec, None), None)
+      ...     print(policy, out.tolist(), int(state.count), int(state.last_bad))
+      zero [1.0, 0.0, 0.0] 1 2
+      skip [0.0, 0.0, 0.0] 1 2
     """
     if policy not in _POLICIES:
         raise ValueError(f"nonfinite_guard: policy must be one of {list(_POLICIES)}, got {policy!r}")

@@ -32,6 +32,14 @@ def cast_roundtrip(dtype: Any) -> AdjointTransformation:
 
     Raises:
       ValueError: unknown or non-floating dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.passes import EmptyState, cast_roundtrip
+      >>> p = cast_roundtrip("bf16")
+      >>> out, _ = p.update(jnp.array([1.0 + 2**-9, 3.0]), EmptyState(), None)   # bf16 keeps 8 bits
+      >>> p.name, out.tolist(), out.dtype.name
+      ('cast_roundtrip(bf16)', [1.0, 3.0], 'float32')
     """
     target = parse_compute_dtype(dtype)
     name = f"cast_roundtrip({dtype_name(target)})"
@@ -45,6 +53,12 @@ class Int8State(NamedTuple):
     Attributes:
       scale: float32 scalar, ``max|g| / 127`` of the last adjoint (0 for an
         all-zero adjoint, which is left untouched).
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.passes import int8_fake_quant
+      >>> int8_fake_quant().init(jax.ShapeDtypeStruct((3,), "float32"), None)
+      Int8State(scale=Array(0., dtype=float32))
     """
 
     scale: jax.Array
@@ -72,6 +86,15 @@ def int8_fake_quant() -> AdjointTransformation:
 
     Raises:
       TypeError (at init): the adjoint spec is not a floating array spec.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import int8_fake_quant
+      >>> p = int8_fake_quant()
+      >>> g = jnp.array([127.0, 0.5, 1.5, -2.5])      # scale 1: ties round to even
+      >>> out, state = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None), None)
+      >>> out.tolist(), float(state.scale)
+      ([127.0, 0.0, 2.0, -2.0], 1.0)
     """
     name = "int8_fake_quant"
 

@@ -30,6 +30,12 @@ def decay(strength: ScalarOrSchedule) -> AdjointTransformation:
 
     Raises:
       TypeError / ValueError: ``strength`` is not a finite number.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.passes import EmptyState, decay
+      >>> decay(0.25).update(jnp.array([4.0, -8.0]), EmptyState(), None)[0].tolist()
+      [3.0, -6.0]
     """
     bound = hyper("decay", "strength", strength, finite=True)
     name = f"decay({bound.label})"
@@ -50,6 +56,13 @@ class NoiseState(NamedTuple):
     Attributes:
       key: typed PRNG key, split on every call (the noise of a call is drawn
         from the second half of the split, the first becomes the new key).
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.passes import gaussian_noise
+      >>> state = gaussian_noise(0.1).init(jax.ShapeDtypeStruct((2,), "float32"), jax.random.key(0))
+      >>> jax.dtypes.issubdtype(state.key.dtype, jax.dtypes.prng_key)
+      True
     """
 
     key: jax.Array
@@ -74,6 +87,16 @@ def gaussian_noise(std: ScalarOrSchedule) -> AdjointTransformation:
 
     Raises:
       TypeError / ValueError: ``std`` negative or not a number.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import PassContext, gaussian_noise
+      >>> p = gaussian_noise(1e-3)
+      >>> g = jnp.ones(1000)
+      >>> ctx = PassContext(boundary=jnp.int32(1), block=jnp.int32(1), step=jnp.int32(0), num_boundaries=2)
+      >>> out, state = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), jax.random.key(0)), ctx)
+      >>> 0.5e-3 < float(jnp.std(out - g)) < 2e-3
+      True
     """
     scale = hyper("gaussian_noise", "std", std, low=0.0)
     name = f"gaussian_noise({scale.label})"

@@ -44,7 +44,14 @@ _REQUIRED = inspect.Parameter.empty
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    """One hyper-parameter: its name, Python type (float, int, bool or str) and default (``REQUIRED``: none)."""
+    """One hyper-parameter: its name, Python type (float, int, bool or str) and default (``REQUIRED``: none).
+
+    Example:
+      >>> from eae_jax.passes.spec import Param
+      >>> p = Param("error_feedback", bool, True)
+      >>> p.parse(" Off "), p.describe()
+      (False, 'error_feedback: bool=true')
+    """
 
     name: str
     kind: type
@@ -87,7 +94,16 @@ def _text_kind(hint: Any) -> type:
 class PassEntry:
     """A named pass: the factory, the arguments the name fixes (``fp16`` is
     ``cast_roundtrip(dtype='fp16')``) and defaults the command line adds
-    (``clip`` alone is ``clip_by_norm(1.0)``)."""
+    (``clip`` alone is ``clip_by_norm(1.0)``).
+
+    Example:
+      >>> from eae_jax.passes.spec import PASSES
+      >>> entry = PASSES["fp16"]
+      >>> entry.fixed, [p.name for p in PASSES["topk"].params]
+      ({'dtype': 'fp16'}, ['ratio', 'error_feedback'])
+      >>> PASSES["clip"].build([], {}, "clip").name, PASSES["topk"].build(["0.9"], {}, "topk=0.9").name
+      ('clip_by_norm(1)', 'topk_compress(0.9, ef)')
+    """
 
     name: str
     factory: Callable
@@ -250,7 +266,13 @@ def parse_passes(spec: Optional[str]):
 
 
 def describe() -> str:
-    """One line per pass (names, then hyper-parameters with type and default), for ``--help``."""
+    """One line per pass (names, then hyper-parameters with type and default), for ``--help``.
+
+    Example:
+      >>> from eae_jax.passes.spec import describe
+      >>> print(describe().splitlines()[0])
+        clip_by_norm | clip                  max_norm: float=1.0
+    """
     groups: Dict[int, List[str]] = {}
     first: Dict[int, PassEntry] = {}
     for name, entry in PASSES.items():

@@ -23,6 +23,12 @@ class StatsState(NamedTuple):
         single element; ``norm`` the Euclidean norm.
       numel: int32 scalar, number of entries.
       has_nan, has_inf: bool scalars.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.passes import statistics
+      >>> statistics().init(jax.ShapeDtypeStruct((3,), "float32"), None).numel
+      Array(0, dtype=int32)
     """
 
     mean: jax.Array
@@ -88,6 +94,15 @@ def statistics() -> AdjointTransformation:
     Raises:
       TypeError (at init): the adjoint spec is not a floating array spec.
       ValueError (at init): the adjoint has more than 2**31-1 entries.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import statistics
+      >>> p = statistics()
+      >>> g = jnp.array([3.0, 4.0])
+      >>> out, s = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None), None)
+      >>> [float(v) for v in (s.mean, s.std, s.min, s.max, s.norm)], int(s.numel), bool(s.has_nan)
+      ([3.5, 0.5, 3.0, 4.0, 5.0], 2, False)
     """
     name = "statistics"
 

@@ -26,6 +26,13 @@ class SyntheticState(NamedTuple):
       count: int32 scalar, calls so far (the seed's ``_step``).
       loss: float32 scalar, the regression loss of the last call (computed
         before that call's Adam step, like the seed's ``last_loss``).
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.passes import synthetic_gradient
+      >>> state = synthetic_gradient(hidden_dim=4).init(jax.ShapeDtypeStruct((2, 3), "float32"), jax.random.key(0))
+      >>> state.params["fc1"]["w"].shape, int(state.count)
+      ((4, 3), 0)
     """
 
     params: Any
@@ -35,7 +42,13 @@ class SyntheticState(NamedTuple):
 
 
 def feature_dim(shape) -> int:
-    """Predictor width for an adjoint of ``shape``: ``prod(shape[1:])`` (``numel`` for rank <= 1)."""
+    """Predictor width for an adjoint of ``shape``: ``prod(shape[1:])`` (``numel`` for rank <= 1).
+
+    Example:
+      >>> from eae_jax.passes.synthetic import feature_dim
+      >>> feature_dim((2, 8, 4)), feature_dim((5,)), feature_dim(())
+      (32, 5, 1)
+    """
     shape = tuple(shape)
     return math.prod(shape[1:]) if len(shape) > 1 else math.prod(shape)
 
@@ -55,6 +68,13 @@ def init_predictor(key: jax.Array, feature_dim: int, hidden_dim: int) -> dict:
     Returns:
       ``{'fc1': {'w': (hidden, feature), 'b': (hidden,)}, 'fc2': {'w':
       (feature, hidden), 'b': (feature,)}}``.
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.passes import init_predictor
+      >>> params = init_predictor(jax.random.key(0), feature_dim=4, hidden_dim=16)
+      >>> params["fc1"]["w"].shape, params["fc2"]["b"].shape, float(abs(params["fc1"]["w"]).max()) <= 0.5
+      ((16, 4), (4,), True)
     """
     feature_dim = require_int("init_predictor", "feature_dim", feature_dim, low=1)
     hidden_dim = require_int("init_predictor", "hidden_dim", hidden_dim, low=1)
@@ -80,7 +100,16 @@ def _empty_predictor(hidden_dim: int) -> dict:
 
 
 def predictor_apply(params: dict, flat: jax.Array) -> jax.Array:
-    """``Linear -> ReLU -> Linear`` on float32 rows ``flat: (N, feature)``; returns ``(N, feature)``."""
+    """``Linear -> ReLU -> Linear`` on float32 rows ``flat: (N, feature)``; returns ``(N, feature)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from eae_jax.passes import predictor_apply
+      >>> params = {"fc1": {"w": jnp.array([[1.0, 0.0], [0.0, -1.0]]), "b": jnp.zeros(2)},
+      ...           "fc2": {"w": jnp.eye(2), "b": jnp.array([0.0, 0.5])}}
+      >>> predictor_apply(params, jnp.array([[2.0, 3.0]])).tolist()    # relu([2, -3]) + [0, 0.5]
+      [[2.0, 0.5]]
+    """
     h = jnp.dot(flat, params["fc1"]["w"].T, precision=_HI) + params["fc1"]["b"]
     h = jax.nn.relu(h)
     return jnp.dot(h, params["fc2"]["w"].T, precision=_HI) + params["fc2"]["b"]
@@ -138,6 +167,17 @@ def synthetic_gradient(hidden_dim: int = 64, lr: float = 1e-3, warmup_steps: int
         shapes do not fit the adjoint (raised by init).
       TypeError (at init): the adjoint spec is not a floating array spec, or
         no PRNG key is given without predictor_params.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import synthetic_gradient
+      >>> p = synthetic_gradient(hidden_dim=8, lr=1e-2)
+      >>> g = jnp.ones((2, 3))
+      >>> state = p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), jax.random.key(0))
+      >>> for _ in range(3):
+      ...     out, state = p.update(g, state, None)
+      >>> bool((out == g).all()), int(state.count), float(state.loss) > 0     # trains, adjoint kept
+      (True, 3, True)
     """
     name = "synthetic_gradient"
     hidden_dim = require_int(name, "hidden_dim", hidden_dim, low=1)

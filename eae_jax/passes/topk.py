@@ -19,6 +19,13 @@ class TopKState(NamedTuple):
         dropped (added back before the next selection); ``None`` without
         error feedback.
       kept: int32 scalar, entries kept by the last call (>= k on ties).
+
+    Example:
+      >>> import jax
+      >>> from eae_jax.passes import topk_compress
+      >>> state = topk_compress(0.5).init(jax.ShapeDtypeStruct((4,), "float32"), None)
+      >>> state.residual.tolist(), int(state.kept)
+      ([0.0, 0.0, 0.0, 0.0], 0)
     """
 
     residual: Optional[jax.Array]
@@ -29,6 +36,11 @@ def num_kept(numel: int, ratio: float) -> int:
     """``k = max(1, int(numel * (1 - ratio)))``: entries `topk_compress` keeps (before ties).
 
     0 for ``numel == 0`` (an empty adjoint has nothing to keep).
+
+    Example:
+      >>> from eae_jax.passes.topk import num_kept
+      >>> num_kept(10, 0.75), num_kept(10, 0.99), num_kept(0, 0.5)
+      (2, 1, 0)
     """
     if numel == 0:
         return 0
@@ -65,6 +77,15 @@ def topk_compress(ratio: float, error_feedback: bool = True) -> AdjointTransform
     Raises:
       TypeError / ValueError: ``ratio`` outside ``[0, 1)``.
       TypeError (at init): the adjoint spec is not a floating array spec.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from eae_jax.passes import topk_compress
+      >>> p = topk_compress(0.5)                       # keep 2 of 4 entries
+      >>> g = jnp.array([0.1, -3.0, 2.0, 0.5])
+      >>> out, state = p.update(g, p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None), None)
+      >>> out.tolist(), state.residual.tolist(), int(state.kept)
+      ([0.0, -3.0, 2.0, 0.0], [0.10000000149011612, 0.0, 0.0, 0.5], 2)
     """
     ratio = require_number("topk_compress", "ratio", ratio, low=0.0, high=1.0, high_open=True)
     if not isinstance(error_feedback, bool):

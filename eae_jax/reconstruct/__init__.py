@@ -68,16 +68,10 @@ The protocol, per segment and per call of the stack:
    each boundary, see `AtBoundary`). A storage that carries buffers across
    blocks or unrolls the run overrides these two.
 
-A new storage is a small class; boundaries kept in a lower dtype on the
-device, for instance, are (besides `bind`'s default) two methods::
-
-    @dataclasses.dataclass(frozen=True)
-    class Rounded(BoundaryStorage):
-        def put(self, x):
-            return cast_boundary(x, self.dtype)
-
-        def get(self, stored, spec):
-            return stored.astype(spec.dtype)
+A new storage is a small class. `BoundaryStorage` keeps each block's
+input on the device (in its ``dtype``) and recomputes the block from it; a
+subclass that keeps the boundary elsewhere overrides its `put` and `get`
+(`Host`: two one-line methods around the device ones).
 """
 
 from eae_jax.reconstruct.adjoint import AtBoundary

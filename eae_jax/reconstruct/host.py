@@ -14,7 +14,7 @@ import numpy as np
 
 from eae_jax import offload as offload_lib
 from eae_jax.reconstruct.adjoint import tie
-from eae_jax.reconstruct.storage import BoundaryStorage, SegmentLayout, cast_boundary, first_order_only
+from eae_jax.reconstruct.storage import BoundaryStorage, SegmentLayout, first_order_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +36,10 @@ class Host(BoundaryStorage):
     kind = "host"
 
     def put(self, x):
-        return offload_lib.to_host(first_order_only(cast_boundary(x, self.dtype), "host"))
+        return offload_lib.to_host(first_order_only(super().put(x), "host"))
 
     def get(self, stored, spec):
-        return offload_lib.to_device(stored).astype(spec.dtype)
+        return super().get(offload_lib.to_device(stored), spec)
 
 
 @dataclasses.dataclass(frozen=True)

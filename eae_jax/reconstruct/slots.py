@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from eae_jax import grad_slots
-from eae_jax.reconstruct.storage import BoundaryStorage, OnDevice, SegmentLayout, cast_boundary, first_order_only
+from eae_jax.reconstruct.storage import BoundaryStorage, OnDevice, SegmentLayout, first_order_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +42,7 @@ class GradSlots(BoundaryStorage):
         return OnDevice(self.dtype) if plan is None else dataclasses.replace(self, plan=plan)
 
     def put(self, x):
-        return cast_boundary(first_order_only(x, "grad_slots"), self.dtype)
-
-    def get(self, stored, spec):
-        return stored.astype(spec.dtype)
+        return super().put(first_order_only(x, "grad_slots"))
 
     def _plan(self) -> grad_slots.SlotPlan:
         if self.plan is None:

@@ -478,14 +478,9 @@ def reconstruct(
         fp32 model); the forward is unaffected, the backward recomputes each
         block from the rounded boundary.
       offload: keep the stored boundaries in pinned host memory (boundary-only
-        storage, ``policy=None``; a policy's kept internals stay on device).
-        True or ``'scan'``: scanned runs stay scans, their boundaries one
-        stacked host array, each iteration of the backward copying its own
-        boundary back (at most two boundaries on the device); ``'unrolled'``:
-        scanned runs are unrolled block by block so that each boundary is
-        its own host array and each copy an independent transfer, the copy
-        of boundary i-1 overlapping block i's backward (compile time grows
-        with depth). See `Host` and `HostUnrolled`.
+        storage, ``policy=None``): True or ``'scan'`` keeps scanned runs
+        scans (`Host`); ``'unrolled'`` unrolls them so that each boundary's
+        copy back overlaps the next block's backward (`HostUnrolled`).
       policy: None/``'boundaries'`` (keep only boundaries), ``'dots'``,
         ``'dots_all'``, ``'everything'``, or a `jax.checkpoint_policies`
         callable: which block internals the forward also keeps so the
@@ -497,10 +492,9 @@ def reconstruct(
         it with the gradients in place, saving L boundaries of peak memory.
         Applies to boundary-only storage on device (no policy, no offload)
         when a block's float params outweigh one boundary; otherwise
-        boundaries are stored the ordinary way. Results are identical
-        either way. Bytes in slots (and offloaded boundaries) carry no
-        derivative: differentiating the backward pass (grad of grad) raises
-        ValueError; pass False (and no offload) for that.
+        boundaries are stored the ordinary way; results are identical.
+        Slots carry no derivative: grad of grad raises ValueError; pass
+        False (and no offload) for that.
       storage: instead of ``boundary_dtype``, ``offload``, ``policy`` and
         ``boundaries_in_grads``: one `Storage` for every segment, or a list
         with one per segment (see the `eae_jax.reconstruct` package

@@ -182,19 +182,15 @@ def cast_boundary(x: jax.Array, dtype) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class BoundaryStorage(Storage):
     """A storage that keeps each block's input boundary (in ``dtype`` if
-    given) and recomputes the block from it: subclasses say where with
-    `put` and `get`.
+    given) and recomputes the block from it. `put` and `get` keep it on the
+    device; a subclass that keeps it elsewhere (`Host`) or marks it
+    (`GradSlots`) overrides them around these.
 
-    >>> import dataclasses
-    >>> @dataclasses.dataclass(frozen=True)
-    ... class Rounded(BoundaryStorage):
-    ...     def put(self, x):
-    ...         return cast_boundary(x, self.dtype)
-    ...     def get(self, stored, spec):
-    ...         return stored.astype(spec.dtype)
     >>> from eae_jax.reconstruct import reconstruct
-    >>> stack = reconstruct(lambda w, x: jnp.tanh(x * w), storage=Rounded("bfloat16"))
+    >>> stack = reconstruct(lambda w, x: jnp.tanh(x * w), storage=BoundaryStorage("bfloat16"))
     >>> stack.storages(jnp.ones((3, 2)), jnp.ones(2))[0].dtype
+    dtype(bfloat16)
+    >>> BoundaryStorage("bfloat16").put(jnp.ones(2, jnp.float32)).dtype
     dtype(bfloat16)
     """
 
@@ -205,12 +201,12 @@ class BoundaryStorage(Storage):
             object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
     def put(self, x: jax.Array):
-        """The stored form of boundary ``x``."""
-        raise NotImplementedError
+        """The stored form of boundary ``x``: ``x`` in ``dtype`` (see `cast_boundary`)."""
+        return cast_boundary(x, self.dtype)
 
     def get(self, stored, spec: jax.ShapeDtypeStruct) -> jax.Array:
         """The boundary back on the device, in its own dtype."""
-        raise NotImplementedError
+        return stored.astype(spec.dtype)
 
     def save(self, layout, params, x, side):
         return layout.call(params, x, side), self.put(x)
@@ -231,12 +227,6 @@ class OnDevice(BoundaryStorage):
     """
 
     kind = "device"
-
-    def put(self, x):
-        return cast_boundary(x, self.dtype)
-
-    def get(self, stored, spec):
-        return stored.astype(spec.dtype)
 
 
 def first_order_only(x: jax.Array, storage: str) -> jax.Array:

@@ -37,7 +37,17 @@ EXIT_CODES = """exit codes:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per TrainConfig field (``--boundary-dtype`` for ``boundary_dtype`` ...)."""
+    """Add one flag per TrainConfig field (``--boundary-dtype`` for ``boundary_dtype`` ...).
+
+    Example:
+      >>> import argparse
+      >>> from eae_jax.train.cli import add_arguments
+      >>> parser = argparse.ArgumentParser()
+      >>> add_arguments(parser)
+      >>> args = parser.parse_args(["--boundary-dtype", "bf16", "--steps", "5"])
+      >>> args.boundary_dtype, args.steps
+      ('bf16', 5)
+    """
     defaults = TrainConfig.__dataclass_fields__
     help_text = {
         "preset": f"model/batch preset: {', '.join(PRESETS)}",
@@ -119,7 +129,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``eae-jax train`` parser; its help ends with the passes and the exit codes."""
+    """The ``eae-jax train`` parser; its help ends with the passes and the exit codes.
+
+    Example:
+      >>> from eae_jax.train.cli import build_parser
+      >>> parser = build_parser()
+      >>> parser.prog, parser.parse_args(["--synthetic"]).synthetic
+      ('eae-jax train', True)
+    """
     from eae_jax.passes.spec import describe
 
     parser = OneLineParser(prog="eae-jax train",
@@ -143,6 +160,15 @@ def parse_args(argv) -> argparse.Namespace:
 
     Raises:
       UsageError: a bad flag; ValueError / FileNotFoundError: a bad config file.
+
+    Example:
+      >>> import json, os, tempfile
+      >>> from eae_jax.train.cli import parse_args
+      >>> config = os.path.join(tempfile.mkdtemp(), "run.json")
+      >>> _ = open(config, "w").write(json.dumps({"steps": 7, "lr": 0.01}))
+      >>> args = parse_args(["--config", config, "--steps", "3"])     # the flag wins over the file
+      >>> args.steps, args.lr
+      (3, 0.01)
     """
     from eae_jax.train.config import read_config_file
 
@@ -164,6 +190,11 @@ def run(args: argparse.Namespace) -> int:
 
     Returns the exit code (see the module doc); the message of a failure is
     one line on stderr.
+
+    Example:
+      >>> from eae_jax.train.cli import parse_args, run
+      >>> run(parse_args(["--synthetic", "--data", "tokens.bin"]))   # contradictory: exit code 2, one line on stderr
+      2
     """
     from eae_jax.fp8 import GateRefused, GuardRefused
     from eae_jax.train.lock import RunLockedError
@@ -204,7 +235,13 @@ def _main(argv) -> int:
 
 
 def main(argv=None) -> int:
-    """``eae-jax train [options]``; returns the exit code (see the module doc)."""
+    """``eae-jax train [options]``; returns the exit code (see the module doc).
+
+    Example:
+      >>> from eae_jax.train.cli import main
+      >>> main(["--steps", "many"])                                    # a bad flag: exit code 2
+      2
+    """
     return run_command("eae-jax train", _main, list(sys.argv[1:] if argv is None else argv))
 
 

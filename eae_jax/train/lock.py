@@ -18,7 +18,20 @@ LOCK_NAME = ".lock"
 
 
 class RunLockedError(RuntimeError):
-    """Another live run holds the run directory's lock (the message names it)."""
+    """Another live run holds the run directory's lock (the message names it).
+
+    Example:
+      >>> import tempfile
+      >>> from eae_jax.train.lock import RunLock, RunLockedError
+      >>> out = tempfile.mkdtemp()
+      >>> with RunLock(out, lambda m: None):
+      ...     try:
+      ...         with RunLock(out, lambda m: None):
+      ...             pass
+      ...     except RunLockedError:
+      ...         print("refused")
+      refused
+    """
 
 
 def _read_holder(fd: int) -> str:

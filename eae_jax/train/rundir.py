@@ -13,7 +13,13 @@ from eae_jax.fileio import new_file_mode
 
 class RunWriteError(OSError):
     """A write of the run failed (disk full, permissions changed ...): the
-    message names the step and the file; the checkpoints written so far stay."""
+    message names the step and the file; the checkpoints written so far stay.
+
+    Example:
+      >>> from eae_jax.train.rundir import RunWriteError
+      >>> issubclass(RunWriteError, OSError) or issubclass(RunWriteError, RuntimeError)
+      True
+    """
 
 
 @contextlib.contextmanager
@@ -45,6 +51,13 @@ def prepare_out(out: str) -> str:
     Raises:
       ValueError: ``out`` (or ``out/checkpoints``, ``out/log.jsonl``) is not what it should be.
       PermissionError: it cannot be written (a read-only ``out`` whose parent is writable included).
+
+    Example:
+      >>> import os, tempfile
+      >>> from eae_jax.train.rundir import prepare_out
+      >>> out = os.path.join(tempfile.mkdtemp(), "run")
+      >>> os.path.relpath(prepare_out(out), out)
+      'checkpoints'
     """
     ckpt_dir = os.path.join(out, "checkpoints")
     for path, kind in ((out, "directory"), (ckpt_dir, "directory")):
@@ -67,7 +80,17 @@ def prepare_out(out: str) -> str:
 
 
 class JsonlLog:
-    """Append-only JSON-lines log (one object per line, flushed each write)."""
+    """Append-only JSON-lines log (one object per line, flushed each write).
+
+    Example:
+      >>> import os, tempfile
+      >>> from eae_jax.train.rundir import JsonlLog
+      >>> log = JsonlLog(os.path.join(tempfile.mkdtemp(), "log.jsonl"))
+      >>> log.write({"step": 1, "loss": 2.5}); log.write({"step": 2, "loss": 2.0})
+      >>> log.truncate_after(1)
+      >>> log.records()
+      [{'step': 1, 'loss': 2.5}]
+    """
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

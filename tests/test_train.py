@@ -374,7 +374,8 @@ def test_fp8_calibration_batch_comes_from_the_token_file(tmp_path, monkeypatch):
     # with --data the batch used to be synthetic anyway.
     from eae_jax import fp8
     from eae_jax.models.llama import embed
-    from eae_jax.train import loop
+    from eae_jax.models.llama import init_lm
+    from eae_jax.train import step as train_step
 
     np.save(tmp_path / "tok.npy", np.full(64, 7))  # every window is all 7s
     seen = []
@@ -386,9 +387,9 @@ def test_fp8_calibration_batch_comes_from_the_token_file(tmp_path, monkeypatch):
     monkeypatch.setattr(fp8, "bind_block", stop)
     cfg = TrainConfig(**{**TINY_TRAIN, "dtype": "fp8_e4m3", "data": str(tmp_path / "tok.npy")})
     model = cfg.model()
-    params = loop.init_lm(jax.random.key(0), model)
+    params = init_lm(jax.random.key(0), model)
     with pytest.raises(InterruptedError):
-        loop.bind_fp8(cfg, model, params, jax.random.key(1), TokenFile(cfg.data, model.vocab_size, cfg.seq_len))
+        train_step.bind_fp8(cfg, model, params, jax.random.key(1), TokenFile(cfg.data, model.vocab_size, cfg.seq_len))
     expected = embed(params["embed"], jax.numpy.full((2, 8), 7, jax.numpy.int32), model.block.compute_dtype)
     np.testing.assert_array_equal(np.asarray(seen[0]), np.asarray(expected))
 

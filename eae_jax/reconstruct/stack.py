@@ -13,6 +13,7 @@ from jax.typing import DTypeLike
 from eae_jax import carry as carry_lib
 from eae_jax.passes.base import AdjointTransformation, as_pass, chain, identity
 from eae_jax.reconstruct.adjoint import AtBoundary
+from eae_jax.reconstruct.budget import MemoryBudget
 from eae_jax.reconstruct.host import Host, HostUnrolled
 from eae_jax.reconstruct.policy import Policy, resolve_policy
 from eae_jax.reconstruct.slots import GradSlots
@@ -458,7 +459,7 @@ def reconstruct(
     stats: bool = True,
     boundaries_in_grads: bool = True,
     storage: Union[Storage, Sequence[Storage], None] = None,
-    memory_budget: Any = None,
+    memory_budget: Union[int, float, str, MemoryBudget, None] = None,
     block_state: bool = False,
 ) -> Reconstructed:
     """Turn pure block functions into a stack with explicit adjoint execution.
@@ -577,8 +578,6 @@ def reconstruct(
         raise ValueError(f"offload must be a bool or one of {OFFLOAD_SCHEDULES}, got {offload!r}")
     budget = None
     if memory_budget is not None:
-        from eae_jax.reconstruct.budget import MemoryBudget
-
         if storage is not None:
             raise ValueError("reconstruct: give either storage= or memory_budget=, not both (the budget chooses "
                              "the storages)")

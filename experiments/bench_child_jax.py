@@ -20,7 +20,6 @@ import os
 import re
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -383,16 +382,4 @@ def _same_process_check(jax, jnp, eae_jax, block, variant, params_sds, x_sds, pa
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1])
-        # Everything is written: leave without the interpreter's teardown, so
-        # the next process is timed sooner (the driver frees the device).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    except SystemExit:
-        raise
-    except BaseException as err:  # report, so the parent can record it in the table
-        traceback.print_exc()
-        bc.emit("ERROR", {"status": "error", "error": f"{type(err).__name__}: {str(err)[:2000]}"})
-        sys.exit(1)
+    bc.run_child(main, sys.argv[1])

@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import time
-import traceback
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -213,16 +212,4 @@ def _check(torch, bt, blocks, grad_dict, x, workdir, cfg, from_bits, backend, de
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1])
-        # Everything is written: leave without the interpreter's teardown, so
-        # the next process is timed sooner (the driver frees the device).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    except SystemExit:
-        raise
-    except BaseException as err:
-        traceback.print_exc()
-        bc.emit("ERROR", {"status": "error", "error": f"{type(err).__name__}: {str(err)[:2000]}"})
-        sys.exit(1)
+    bc.run_child(main, sys.argv[1])

@@ -392,3 +392,25 @@ def wait_for_go(spec: dict) -> float:
         sys.stderr.flush()
         time.sleep(3600)
     return go
+
+
+def run_child(main, spec_path: str) -> None:
+    """Run a child's ``main(spec_path)``; an error goes to the parent as one ERROR line (exit 1).
+
+    Once everything is written the process leaves without the interpreter's
+    teardown, so the next process is timed sooner (the driver frees the device).
+    """
+    import sys
+    import traceback
+
+    try:
+        main(spec_path)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    except SystemExit:
+        raise
+    except BaseException as err:  # report, so the parent can record it in the table
+        traceback.print_exc()
+        emit("ERROR", {"status": "error", "error": f"{type(err).__name__}: {str(err)[:2000]}"})
+        sys.exit(1)

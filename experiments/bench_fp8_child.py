@@ -31,7 +31,6 @@ import pickle
 import statistics
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -343,14 +342,4 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1])
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # everything is written; skip the interpreter's teardown
-    except SystemExit:
-        raise
-    except BaseException as err:  # report, so the parent can record it in the table
-        traceback.print_exc()
-        bc.emit("ERROR", {"status": "error", "error": f"{type(err).__name__}: {str(err)[:2000]}"})
-        sys.exit(1)
+    bc.run_child(main, sys.argv[1])

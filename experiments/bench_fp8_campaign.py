@@ -49,7 +49,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -64,7 +63,6 @@ import bench_fp8_report as fr  # noqa: E402
 import bench_plan as bp  # noqa: E402
 import bench_report as br  # noqa: E402
 import bench_stack as bst  # noqa: E402
-import bench_stats as bs  # noqa: E402
 
 SECTIONS = ("ffn", "step", "train")
 
@@ -386,15 +384,7 @@ def main(argv=None) -> int:
                 runner.timeline.append({"phase": "train", "s": train["wall_s"]})
             save_rows()
     finally:
-        runner.stop_all(refs + timed)
-        samples = smi.stop()
-        br.attach_clocks(runner.results, samples)
-        meta["clocks_whole_run"] = bs.window_clocks(samples, runner.t0, time.time()) if samples else None
-        bst._collect_logs(workdir, args.out)
-        save_rows()
-        print(write(final=True), flush=True)
-        if not args.keep_workdir and not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        bst.finish_campaign(runner, refs + timed, smi, meta, workdir, args, save_rows, write)
     return 0
 
 

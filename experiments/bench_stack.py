@@ -406,6 +406,21 @@ def _versions() -> dict:
     return out
 
 
+def finish_campaign(runner, jobs, smi, meta: dict, workdir: str, args, save_rows, write) -> None:
+    """End a campaign, however it ended: stop ``jobs``' processes and the clock log, attach the
+    clocks to every result, gather the children's logs, save and print the report, and remove
+    the work folder unless kept (``--keep-workdir`` / ``--workdir``)."""
+    runner.stop_all(jobs)
+    samples = smi.stop()
+    br.attach_clocks(runner.results, samples)
+    meta["clocks_whole_run"] = bs.window_clocks(samples, runner.t0, time.time()) if samples else None
+    _collect_logs(workdir, args.out)
+    save_rows()
+    print(write(final=True), flush=True)
+    if not args.keep_workdir and not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def _collect_logs(workdir: str, out: str) -> None:
     logs = os.path.join(workdir, "logs")
     with gzip.open(os.path.join(out, "bench_children.log.gz"), "wt") as f:
@@ -578,15 +593,7 @@ def main(argv=None) -> int:
             runner.run_group(gname, jobs, write, save_rows)
             shutil.rmtree(os.path.join(workdir, "ref"), ignore_errors=True)  # GBs for deep stacks
     finally:
-        runner.stop_all(all_jobs)
-        samples = smi.stop()
-        br.attach_clocks(runner.results, samples)
-        meta["clocks_whole_run"] = bs.window_clocks(samples, runner.t0, time.time()) if samples else None
-        _collect_logs(workdir, args.out)
-        save_rows()
-        print(write(final=True), flush=True)
-        if not args.keep_workdir and not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        finish_campaign(runner, all_jobs, smi, meta, workdir, args, save_rows, write)
     return 0
 
 

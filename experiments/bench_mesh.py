@@ -78,10 +78,8 @@ def prepare(args) -> tuple:
     shard_state = sharding.state_shardings(states["sharded"], tx_s, stack_s)
     placed["sharded"] = jax.device_put(tokens, sharding.tokens_sharding())
     t0 = time.perf_counter()
-    steps["sharded"] = jax.jit(make_train_step(cfg, stack_s, tx_s, model, param_shardings=shard_state.params),
-                               in_shardings=(shard_state, sharding.tokens_sharding()),
-                               out_shardings=(shard_state, sharding.replicated()),
-                               donate_argnums=(0,)).lower(states["sharded"], placed["sharded"]).compile()
+    steps["sharded"] = sharding.jit_step(make_train_step(cfg, stack_s, tx_s, model, param_shardings=shard_state.params),
+                                         shard_state).lower(states["sharded"], placed["sharded"]).compile()
     compile_s["sharded"] = time.perf_counter() - t0
     return steps, states, placed, compile_s
 

@@ -113,9 +113,7 @@ def _compile(mesh: str, storage=None):
     tx = make_optimizer(cfg)
     shapes = jax.eval_shape(jax.tree_util.Partial(init_state, cfg, model, stack, tx))
     shardings = sharding.state_shardings(shapes, tx, stack)
-    step = jax.jit(make_train_step(cfg, stack, tx, model, param_shardings=shardings.params),
-                   in_shardings=(shardings, sharding.tokens_sharding()),
-                   out_shardings=(shardings, sharding.replicated()), donate_argnums=(0,))
+    step = sharding.jit_step(make_train_step(cfg, stack, tx, model, param_shardings=shardings.params), shardings)
     tokens = jax.ShapeDtypeStruct(sharding.arrange_tokens(jnp.zeros((cfg.batch, cfg.seq_len + 1))).shape, jnp.int32)
     return step.lower(shapes, tokens).compile(), cfg, sharding
 

@@ -53,9 +53,7 @@ def three_steps(mesh: str, passes: str) -> dict:
     make = jax.tree_util.Partial(init_state, cfg, model, stack, tx)
     shardings = sharding.state_shardings(jax.eval_shape(make), tx, stack)
     state = jax.jit(make, out_shardings=shardings)()
-    step = jax.jit(make_train_step(cfg, stack, tx, model, param_shardings=shardings.params),
-                   in_shardings=(shardings, sharding.tokens_sharding()),
-                   out_shardings=(shardings, sharding.replicated()), donate_argnums=(0,))
+    step = sharding.jit_step(make_train_step(cfg, stack, tx, model, param_shardings=shardings.params), shardings)
     losses, grad_norms = [], []
     for i in range(3):
         tokens = synthetic_batch(jax.random.key(100 + i), cfg.batch, cfg.seq_len, model.vocab_size)
@@ -248,9 +246,8 @@ def fsdp(tmp: str) -> dict:
         tx = make_optimizer(cfg)
         shapes = jax.eval_shape(jax.tree_util.Partial(init_state, cfg, model, stack, tx))
         shardings = sharding.state_shardings(shapes, tx, stack)
-        step = jax.jit(make_train_step(cfg, stack, tx, model, param_shardings=shardings.params),
-                       in_shardings=(shardings, sharding.tokens_sharding()),
-                       out_shardings=(shardings, sharding.replicated()), donate_argnums=(0,))
+        step = sharding.jit_step(make_train_step(cfg, stack, tx, model, param_shardings=shardings.params),
+                                 shardings)
         compiled = step.lower(shapes, jax.ShapeDtypeStruct((1, cfg.batch, cfg.seq_len + 1), jnp.int32)).compile()
         mem = compiled.memory_analysis()
         hlo = compiled.as_text()

@@ -169,14 +169,12 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
         state = unalias(jax.device_put(state._replace(opt_state=None), sharding.replicated()))
         state = state._replace(opt_state=opt_state)
 
-    def jit_step(fn):
-        if offloaded:
-            return jax.jit(fn)
-        return jax.jit(fn, in_shardings=(state_sh, data_sharding), out_shardings=(state_sh, sharding.replicated()),
-                       donate_argnums=(0,))
+    def jit_step(run_stack, bound):
+        """The jitted train step of ``run_stack`` (with fp8 seams ``bound``, or None)."""
+        fn = make_train_step(cfg, run_stack, tx, model, bound, param_shardings=None if offloaded else state_sh.params)
+        return jax.jit(fn) if offloaded else sharding.jit_step(fn, state_sh)
 
-    step_fn = jit_step(make_train_step(cfg, stack, tx, model, bound_fp8,
-                                       param_shardings=None if offloaded else state_sh.params))
+    step_fn = jit_step(stack, bound_fp8)
     # Delayed gradient scaling needs scales observed by a step first: the
     # current-scaling step runs until every seam and layer has them (one
     # step unless it fell back), then the delayed step takes over for good
@@ -185,8 +183,7 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
     grad_scaling = "current"  # what the run's steps use now (the summary reports it)
     if bound_fp8 is not None and cfg.fp8_grad_scaling == "delayed":
         delayed = bound_fp8.with_recipe(gradient="delayed")
-        delayed_fn = jit_step(make_train_step(cfg, make_stack(cfg, model, delayed, sharding, planned), tx, model,
-                                              delayed, param_shardings=None if offloaded else state_sh.params))
+        delayed_fn = jit_step(make_stack(cfg, model, delayed, sharding, planned), delayed)
         if _grad_scales_observed(bound_fp8, state.fp8):
             step_fn, delayed_fn, grad_scaling = delayed_fn, None, "delayed"
 
@@ -196,8 +193,7 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
     # per block).
     rerun_fn = None
     if bound_fp8 is not None and bound_fp8.fallback == "step":
-        rerun_fn = jit_step(make_train_step(cfg, make_stack(cfg, model, None, sharding, planned), tx, model, None,
-                                            param_shardings=None if offloaded else state_sh.params))
+        rerun_fn = jit_step(make_stack(cfg, model, None, sharding, planned), None)
 
     log = JsonlLog(os.path.join(cfg.out, "log.jsonl")) if primary else _ReadOnlyLog(os.path.join(cfg.out, "log.jsonl"))
     first_loss = last_loss = None

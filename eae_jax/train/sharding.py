@@ -112,6 +112,12 @@ class RunSharding:
         return type(state)(rep, params, opt, carry, rep,
                            jax.tree_util.tree_map(lambda _: rep, state.fp8))
 
+    def jit_step(self, step_fn, state_shardings):
+        """``step_fn(state, tokens) -> (state, metrics)`` jitted over this mesh: the state in
+        ``state_shardings`` (donated), the token block in `tokens_sharding`, metrics replicated."""
+        return jax.jit(step_fn, in_shardings=(state_shardings, self.tokens_sharding()),
+                       out_shardings=(state_shardings, self.replicated()), donate_argnums=(0,))
+
     def tokens_sharding(self) -> NamedSharding:
         """Of a step's token block ``(microbatches, micro_batch, seq + 1)`` (see `arrange_tokens`)."""
         axes = self.batch_axes

@@ -115,14 +115,19 @@ def window(tiny_run, tmp_path_factory):
     return window_file(tmp_path_factory.mktemp("window"), ids), ids
 
 
+def fine_tune(init, data, out, capsys):
+    """``out`` after one step of ``eae-jax train --init INIT --data DATA`` (batch 2)."""
+    code = main(["train", "--init", init, "--data", data, "--seq-len", str(SEQ), "--batch", "2", "--steps", "1",
+                 "--out", out, *OFF])
+    assert code == 0, capsys.readouterr().err
+    return out
+
+
 def test_a_fine_tune_from_a_llama2c_export_resumes_its_loss(tiny_run, window, tmp_path, capsys):
     path, ids = window
     exported = str(tmp_path / "tiny.bin")
     assert main(["export", tiny_run, exported]) == 0
-    out = str(tmp_path / "ft")
-    code = main(["train", "--init", exported, "--data", path, "--seq-len", str(SEQ), "--batch", "2", "--steps",
-                 "1", "--out", out, *OFF])
-    assert code == 0, capsys.readouterr().err
+    out = fine_tune(exported, path, str(tmp_path / "ft"), capsys)
     # the trained run's own params (not the export) on that window, by the plain forward
     original = load_model(tiny_run)
     tokens = np.stack([ids, ids])
@@ -138,10 +143,7 @@ def test_a_fine_tune_from_a_hugging_face_export_resumes_its_loss(tiny_run, windo
     path, ids = window
     exported = str(tmp_path / "hf")
     assert main(["export", tiny_run, exported]) == 0
-    out = str(tmp_path / "ft")
-    code = main(["train", "--init", exported, "--data", path, "--seq-len", str(SEQ), "--batch", "2", "--steps",
-                 "1", "--out", out, *OFF])
-    assert code == 0, capsys.readouterr().err
+    out = fine_tune(exported, path, str(tmp_path / "ft"), capsys)
     hf = transformers.LlamaForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
     tokens = torch.tensor(np.stack([ids, ids]), dtype=torch.long)
     with torch.no_grad():
@@ -173,10 +175,7 @@ def test_a_token_file_fine_tune_keeps_the_init_models_tokenizer(notes, tmp_path,
     train(TrainConfig(preset="tiny", text=[notes], seq_len=SEQ, batch=2, steps=1, out=text_run, plot=False,
                       tensorboard=False), log_fn=quiet)
     ids = np.asarray(load_model(text_run).tokenizer.encode("the quick brown fox jumps over")[:SEQ + 1])
-    out = str(tmp_path / "ft")
-    code = main(["train", "--init", text_run, "--data", window_file(tmp_path, ids), "--seq-len", str(SEQ),
-                 "--batch", "2", "--steps", "1", "--out", out, *OFF])
-    assert code == 0, capsys.readouterr().err
+    out = fine_tune(text_run, window_file(tmp_path, ids), str(tmp_path / "ft"), capsys)
     # eae-jax generate on the fine-tune reads text with the init model's tokenizer
     tuned = load_model(out).tokenizer
     assert tuned is not None and tuned.kind == load_model(text_run).tokenizer.kind

@@ -33,6 +33,10 @@ import optax
 
 from eae_jax import offload as offload_lib
 
+#: State bytes built on the device at once by `OffloadedOptimizer.init` (more
+#: only when one param leaf's state is larger).
+INIT_GROUP_BYTES = 1 << 30
+
 
 def host_memory_kind(device=None) -> Optional[str]:
     """``'pinned_host'`` when ``device`` (default: the first) has that memory kind, else None.
@@ -156,26 +160,71 @@ class OffloadedOptimizer:
         return jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, self.master_dtype), params)
 
     def init(self, params) -> OffloadedState:
-        """The state: ``tx.init`` of the (master) params, chunked into host memory."""
+        """The state: ``tx.init`` of the (master) params, chunked into host memory.
+
+        Built a group of param leaves at a time (`INIT_GROUP_BYTES` of state
+        each, or one leaf), so the device never holds more than one group's
+        state: a 7B model's fp32 masters and moments would not fit on it.
+        """
         if self.kind is None and self.memory_kind == "auto":
             warnings.warn(f"eae_jax.offload_optim: the {jax.default_backend()} backend has no pinned_host memory "
                           "kind; the optimizer state stays in device memory", stacklevel=2)
         bounds = self._chunking(params)
 
-        def build(params):
+        def whole(params):
             master = None
             if self.master_dtype is not None:
                 master = jax.tree_util.tree_map(lambda p: p.astype(self.master_dtype), params)
-            inner = self.tx.init(master if master is not None else params)
-            chunk = lambda i, x: Chunks(i, tuple(self._put(_take(x, a, b)) for a, b in bounds[i]))
-            inner = _map_params_like(inner, params, lambda sub: jax.tree_util.tree_unflatten(
-                jax.tree_util.tree_structure(sub), [chunk(i, x) for i, x in enumerate(jax.tree_util.tree_leaves(sub))]))
-            if master is not None:
-                master = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(master), [
-                    chunk(i, x) for i, x in enumerate(jax.tree_util.tree_leaves(master))])
-            return OffloadedState(inner, master)
+            return master, self.tx.init(master if master is not None else params)
 
-        return jax.jit(build)(params)
+        def build(group):
+            def chunked(params):  # XLA prunes the state of every leaf outside the group
+                master, inner = whole(params)
+                chunk = lambda i, x: tuple(self._put(_take(x, a, b)) for a, b in bounds[i])  # noqa: E731
+                subs = [jax.tree_util.tree_leaves(sub) for sub in _params_like(inner, params)]
+                m = None if master is None else jax.tree_util.tree_leaves(master)
+                return {i: ([chunk(i, s[i]) for s in subs], None if m is None else chunk(i, m[i])) for i in group}
+            return jax.jit(chunked)(params)
+
+        parts = {}
+        for group in self._init_groups(params):
+            parts.update(build(group))
+        # The state's other leaves (step counts ...), then everything put back in tx's structure.
+        rest = jax.jit(lambda p: _map_params_like(whole(p)[1], p, lambda sub: None))(params)
+        master_spec, inner_spec = jax.eval_shape(whole, params)
+        n = len(parts)
+        order = iter(range(len(_params_like(inner_spec, params))))
+
+        def subtree(sub):
+            k = next(order)
+            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(sub),
+                                                [Chunks(i, parts[i][0][k]) for i in range(n)])
+
+        flat, inner_def = jax.tree_util.tree_flatten(_map_params_like(inner_spec, params, subtree), is_leaf=_is_chunks)
+        others = iter(jax.tree_util.tree_leaves(rest))
+        inner = jax.tree_util.tree_unflatten(inner_def, [x if _is_chunks(x) else next(others) for x in flat])
+        master = None
+        if master_spec is not None:
+            master = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(master_spec),
+                                                  [Chunks(i, parts[i][1]) for i in range(n)])
+        return OffloadedState(inner, master)
+
+    def _init_groups(self, params) -> List[List[int]]:
+        """Param leaf indices in groups of at most `INIT_GROUP_BYTES` of state (or one leaf)."""
+        state = jax.eval_shape(lambda p: self.tx.init(self._master_spec(p)), params)
+        per_leaf = [0] * len(jax.tree_util.tree_leaves(params))
+        extra = [] if self.master_dtype is None else [self._master_spec(params)]
+        for sub in _params_like(state, params) + extra:
+            for i, l in enumerate(jax.tree_util.tree_leaves(sub)):
+                per_leaf[i] += int(np.prod(l.shape, dtype=np.int64)) * jnp.dtype(l.dtype).itemsize
+        groups, size = [], 0
+        for i, b in enumerate(per_leaf):
+            if not groups or size + b > INIT_GROUP_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += b
+        return groups
 
     def place(self, state: OffloadedState, sharding=None) -> OffloadedState:
         """``state`` (e.g. restored from a checkpoint, or put on a mesh) with its

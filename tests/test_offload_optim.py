@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from eae_jax import offload_optim
 from eae_jax.offload_optim import Chunks, host_memory_kind, offload_optimizer
 
 #: The placement tests need a backend with a pinned_host memory kind (XLA:CPU has it in jax >= 0.4.3x).
@@ -71,7 +72,9 @@ def test_updates_are_bit_identical_to_adamw_on_the_device(chunk_bytes):
 
 
 @needs_host_memory
-def test_master_weights_in_host_memory_update_as_on_the_device():
+@pytest.mark.parametrize("group_bytes", [1 << 30, 1])  # the state built at once; a leaf at a time
+def test_master_weights_in_host_memory_update_as_on_the_device(group_bytes, monkeypatch):
+    monkeypatch.setattr(offload_optim, "INIT_GROUP_BYTES", group_bytes)
     params = _params(jnp.bfloat16)
     tx = optax.adamw(SCHEDULE, weight_decay=0.1)
     opt = offload_optimizer(tx, master_dtype=jnp.float32, grad_clip=1.0, chunk_bytes=8 * 16 * 4 * 3)
@@ -93,6 +96,20 @@ def test_master_weights_in_host_memory_update_as_on_the_device():
         _assert_same_bits(p, p_ref)
         _assert_same_bits(_dense(s.master), master)
     assert {x.dtype for x in jax.tree_util.tree_leaves(p)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_init_groups_hold_at_most_the_group_bytes(monkeypatch):
+    # tree_leaves order: blocks/v (4, 16), blocks/w (4, 8, 16), gain (), head (16, 5); fp32 master, mu and nu
+    params = _params(jnp.bfloat16)
+    opt = offload_optimizer(optax.adamw(1e-2), master_dtype=jnp.float32)
+    v, w, gain, head = (12 * int(np.prod(l.shape)) for l in jax.tree_util.tree_leaves(params))
+    monkeypatch.setattr(offload_optim, "INIT_GROUP_BYTES", v + w)  # at equality: one group
+    assert opt._init_groups(params) == [[0, 1], [2, 3]]
+    monkeypatch.setattr(offload_optim, "INIT_GROUP_BYTES", v + w - 1)
+    assert opt._init_groups(params) == [[0], [1, 2], [3]]
+    assert w + gain + head > v + w - 1
+    monkeypatch.setattr(offload_optim, "INIT_GROUP_BYTES", 1)  # a leaf larger than the bound is a group alone
+    assert opt._init_groups(params) == [[0], [1], [2], [3]]
 
 
 def test_a_backend_without_host_memory_keeps_the_state_on_the_device():

@@ -25,7 +25,7 @@ from eae_jax.blocks import BlockConfig
 from eae_jax.models import LMConfig, cross_entropy, init_lm, lm_apply, lm_stack, merge_grads, split_params
 from eae_jax.passes import clip_by_norm
 from eae_jax.reconstruct import (BudgetError, Costs, MemoryBudget, OnDevice, Runs, default_options, make_plan,
-                                 measure_costs, parse_budget, plan_memory)
+                                 measure_costs, parse_budget, plan_memory, runtime_reserve)
 from eae_jax.reconstruct.budget import step_peak
 from eae_jax.reconstruct.costs import compiled_peak, jaxpr_flops, probe_depth
 
@@ -183,6 +183,23 @@ def test_plan_memory_verifies_the_compiled_step_and_reports():
     assert plan.to_dict()["segments"][0]["runs"] == [list(r) for r in plan.segments[0].runs]
     with pytest.raises(ValueError, match="optimizer or optimizer_bytes"):
         plan_memory(stack, ffn_params(8), X, 0.5, costs=costs, optimizer=optax.adam(1e-3), optimizer_bytes=4)
+
+
+def test_the_runtime_reserve_is_kept_free_and_met_at_equality():
+    stack, costs = ffn_costs()
+    assert runtime_reserve(jax.devices("cpu")[0]) == 0
+    floor, reserve = make_plan(costs, 1.0).floor, 256 << 10
+    at = plan_memory(stack, ffn_params(8), X, floor + reserve, costs=costs, reserve=reserve, verify=False)
+    assert at.peak == floor and at.reserve == reserve and "kept free for the runtime" in str(at)
+    with pytest.raises(BudgetError, match="no plan fits once 256.0 KiB are set aside"):
+        plan_memory(stack, ffn_params(8), X, floor + reserve - 1, costs=costs, reserve=reserve, verify=False)
+    # the search plans for the budget less the reserve; the verified step leaves the reserve free
+    budget = int(make_plan(costs, 0.6).budget)
+    plan = plan_memory(stack, ffn_params(8), X, budget, costs=costs, reserve=reserve)
+    assert plan.segments == make_plan(costs, budget - reserve).segments or plan.peak < budget - reserve
+    assert plan.compiled_peak + reserve <= budget
+    with pytest.raises(ValueError, match="reserve must be 'auto' or a byte count >= 0, got -1"):
+        plan_memory(stack, ffn_params(8), X, budget, costs=costs, reserve=-1)
 
 
 def test_optimizer_bytes_come_from_the_transformation():

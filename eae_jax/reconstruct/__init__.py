@@ -75,7 +75,7 @@ subclass that keeps the boundary elsewhere overrides its `put` and `get`
 """
 
 from eae_jax.reconstruct.adjoint import AtBoundary
-from eae_jax.reconstruct.budget import MemoryBudget, plan_memory
+from eae_jax.reconstruct.budget import MemoryBudget, plan_memory, runtime_reserve
 from eae_jax.reconstruct.costs import Costs, Option, default_options, measure_costs
 from eae_jax.reconstruct.host import Host, HostUnrolled
 from eae_jax.reconstruct.planner import BudgetError, Plan, make_plan, parse_budget
@@ -90,5 +90,5 @@ __all__ = [
     "AtBoundary", "BoundaryStorage", "BudgetError", "Costs", "GradSlots", "Host", "HostUnrolled", "MemoryBudget",
     "OFFLOAD_SCHEDULES", "OnDevice", "Option", "Plan", "Policy", "Reconstructed", "Runs", "Scan", "Segment",
     "SegmentLayout", "Storage", "cast_boundary", "default_options", "first_order_only", "make_plan", "measure_costs",
-    "parse_budget", "plan_memory", "reconstruct", "resolve_policy", "storage_from_flags",
+    "parse_budget", "plan_memory", "reconstruct", "resolve_policy", "runtime_reserve", "storage_from_flags",
 ]

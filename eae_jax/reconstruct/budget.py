@@ -47,6 +47,7 @@ class MemoryBudget:
     costs: Optional[Costs] = None
     mesh: Any = None
     verify: bool = True
+    reserve: Any = "auto"
 
     @property
     def bytes_or_fraction(self):
@@ -60,7 +61,7 @@ class MemoryBudget:
 def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable] = None, loss_args: Sequence = (),
                 optimizer: Any = None, optimizer_bytes: Optional[int] = None, offload_optimizer: Any = "auto",
                 options: Optional[Sequence[Option]] = None, timing: str = "flops", costs: Optional[Costs] = None,
-                mesh: Any = None, verify: bool = True) -> Plan:
+                mesh: Any = None, verify: bool = True, reserve: Any = "auto") -> Plan:
     """The fastest storage plan of ``stack`` whose step fits ``budget`` (per device).
 
     Args:
@@ -81,6 +82,9 @@ def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable]
         (axis 0 of ``x``), params replicated: probes compile for it.
       verify: compile the planned step once; when it needs more than the
         budget, plan again leaving that much unused (up to three times).
+      reserve: bytes of the budget left free for what the runtime allocates
+        beside the compiled step (GEMM library workspaces, the allocator's
+        rounding); ``'auto'``: `runtime_reserve`.
 
     Returns:
       A `Plan`: ``print(plan)``; ``reconstruct(blocks, storage=plan.storages)``.
@@ -104,18 +108,37 @@ def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable]
         costs = measure_costs(stack, params, x, side, loss=loss, loss_args=loss_args, options=options, timing=timing,
                               in_shardings=shardings)
     kw = dict(options=options, optimizer_bytes=optimizer_bytes or 0, offload_optimizer=offload_optimizer)
-    plan = make_plan(costs, budget, **kw)
+    reserve = runtime_reserve() if reserve == "auto" else int(reserve)
+    if reserve < 0:
+        raise ValueError(f"reserve must be 'auto' or a byte count >= 0, got {reserve}")
+    plan = dataclasses.replace(make_plan(costs, budget, margin=reserve, **kw), reserve=reserve)
     if not verify:
         return plan
-    margin = 0
+    margin = reserve
     for _ in range(3):
         peak = step_peak(stack, plan, params, x, side, loss=loss, loss_args=loss_args, in_shardings=shardings)
         peak += plan.optimizer
-        if peak <= plan.budget:
+        if peak + reserve <= plan.budget:
             break
-        margin += peak - plan.budget
-        plan = make_plan(costs, budget, margin=margin, **kw)
+        margin += peak + reserve - plan.budget
+        plan = dataclasses.replace(make_plan(costs, budget, margin=margin, **kw), reserve=reserve)
     return dataclasses.replace(plan, compiled_peak=int(peak))
+
+
+#: Bytes an accelerator's runtime allocates beside a compiled step (cuBLAS and
+#: cuDNN workspaces, allocator rounding); docs/reconstruct.md has the measurement.
+ACCELERATOR_RESERVE = 64 << 20
+
+
+def runtime_reserve(device=None) -> int:
+    """Bytes `plan_memory` keeps free by default: `ACCELERATOR_RESERVE` on a
+    GPU or TPU, 0 on the CPU (whose compiled peak is what it allocates).
+
+    >>> runtime_reserve(jax.devices("cpu")[0])
+    0
+    """
+    device = device or jax.devices()[0]
+    return 0 if device.platform == "cpu" else ACCELERATOR_RESERVE
 
 
 def planned_for(stack, plans: dict, params, x, side=None) -> Plan:
@@ -140,7 +163,8 @@ def planned_for(stack, plans: dict, params, x, side=None) -> Plan:
         b = stack.budget
         plans[key] = plan_memory(stack, p, xs, b.budget, s, loss=b.loss, loss_args=b.loss_args,
                                  optimizer_bytes=b.optimizer_bytes, offload_optimizer=b.offload_optimizer,
-                                 options=b.options, timing=b.timing, costs=b.costs, mesh=b.mesh, verify=b.verify)
+                                 options=b.options, timing=b.timing, costs=b.costs, mesh=b.mesh, verify=b.verify,
+                                 reserve=b.reserve)
     return plans[key]
 
 

@@ -141,6 +141,8 @@ class Plan:
       options: option name -> `Option` (the storages).
       compiled_peak: the compiled step's peak when `plan_memory` verified
         the plan (None otherwise).
+      reserve: bytes of the budget kept free for what the runtime allocates
+        outside the compiled step (`plan_memory`'s ``reserve``).
 
     ``str(plan)`` is the table `table` prints; `storages` is the list to
     give `reconstruct` as ``storage=``.
@@ -166,6 +168,7 @@ class Plan:
     costs: Costs
     options: Dict[str, Option]
     compiled_peak: Optional[int] = None
+    reserve: int = 0
 
     @property
     def storages(self) -> List[Storage]:
@@ -197,7 +200,8 @@ class Plan:
         lines += ["", f"predicted peak {fmt_bytes(self.peak)} of budget {fmt_bytes(self.budget)} "
                   f"(floor {fmt_bytes(self.floor)}): params {fmt_bytes(self.params)} + grads "
                   f"{fmt_bytes(self.grads)} + optimizer state {opt} + activations and working memory "
-                  f"{fmt_bytes(rest)}",
+                  f"{fmt_bytes(rest)}" + (f"; {fmt_bytes(self.reserve)} of the budget kept free for the runtime"
+                                           if self.reserve else ""),
                   *([] if self.compiled_peak is None else
                     [f"compiled step peak {fmt_bytes(self.compiled_peak)} (prediction / compiled "
                      f"{self.peak / self.compiled_peak:.3f})"]),
@@ -458,9 +462,9 @@ def make_plan(costs: Costs, budget: Any, *, options: Optional[Sequence[Option]] 
         if optimizer_bytes and not on_host:
             hint = f"; with the optimizer state in host memory (offload_optimizer) it is {fmt_bytes(floor)}"
         if margin:
-            raise BudgetError(f"memory budget {fmt_bytes(parsed)}: no plan fits once the {fmt_bytes(margin)} the "
-                              f"compiled step needs beyond its prediction are set aside (predicted floor "
-                              f"{fmt_bytes(floor + kept)})")
+            raise BudgetError(f"memory budget {fmt_bytes(parsed)}: no plan fits once {fmt_bytes(margin)} are set "
+                              f"aside (the runtime's reserve and what the compiled step needs beyond its "
+                              f"prediction; predicted floor {fmt_bytes(floor + kept)})")
         raise BudgetError(f"memory budget {fmt_bytes(parsed)} is below the floor {fmt_bytes(floor + kept)} "
                           f"({parsed} < {floor + kept} bytes): parameters {fmt_bytes(costs.params)} + gradients "
                           f"{fmt_bytes(costs.grads)} + optimizer state {opt} + one block and what every block "

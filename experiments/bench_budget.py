@@ -377,7 +377,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--jobs", type=int, default=4, help="processes compiling at once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--deadline-s", type=float, default=280.0, help="no batch starts past this (results kept)")
+    p.add_argument("--deadline-s", type=float, default=280.0,
+                   help="seconds from the start, planning included: no batch starts past it (results kept)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="per-process limit after GO")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results", "budget"))
     p.add_argument("--workdir", default=None, help="scratch (torch weights); default a temp dir")
@@ -430,6 +431,8 @@ def main(argv=None) -> int:
         print(f"--- 7b, {args.budget_7b:g} GiB\n{big['table']}", flush=True)
         specs.append(spec)
     write(doc, args.out)
+    print(f"planned in {time.time() - start:.0f}s; {len(specs)} processes, batches start until "
+          f"{args.deadline_s:.0f}s", flush=True)
     for i in range(0, len(specs), args.jobs):
         if time.time() - start > args.deadline_s:
             doc["skipped"] = [s["variant"] for s in specs[i:]]

@@ -2,8 +2,8 @@
 with the stack benchmark's protocol (`bench_stack.py`).
 
 Sections (``--sections``, default ``ffn,step``: what fits one device call of
-330 s with the medium step; ``--configs medium,7b`` and ``train`` add the
-rest when there is time):
+600 s with the medium step and its gradient references; ``--configs
+medium,7b`` and ``train`` add the rest when there is time):
 
 * ``ffn``: the SwiGLU FFN at the 1B-like (8192 x 2048 x 5632) and 7B-like
   (8192 x 4096 x 11008) shapes: bf16; ours with the weights cast to fp8
@@ -15,18 +15,19 @@ rest when there is time):
 * ``step``: a whole LM train step (embedding, blocks, head, cross-entropy,
   AdamW) of the ``medium`` and ``7b-like`` presets of the training command:
   bf16; ours as ``eae-jax train --dtype fp8_e4m3`` runs it (step guard) and
-  unguarded; Flax's fp8 ops in the same LLaMA block. A reference process
-  per configuration compares the gradients of one step with the bf16 and
-  float32 ones (cosines per leaf, smallest, weighted) and writes the fp8
-  states the timed processes start from.
+  unguarded; Flax's fp8 ops in the same LLaMA block. Per configuration, a
+  reference process writes the fp8 states the timed processes start from,
+  and another, after them, compares the gradients of one step with the
+  bf16 and float32 ones (cosines per leaf, smallest, weighted).
 * ``train``: ``eae-jax train --preset medium --text`` in bf16 and in
   fp8_e4m3, side by side (loss curves; the two run at the same time, so
   their step times are not a measurement).
 
 Protocol (docs/benchmarks.md): every timed process in a seeded random
 order of ``--repeats`` rounds, prepared in parallel batches and timed one
-at a time, nothing else running (`bench_stack.Runner`); the reference
-processes lead the first batch and finish before anything is timed;
+at a time, nothing else running (`bench_stack.Runner`); the state writers
+lead the first batch and finish before anything is timed, the gradient
+references run after the last timed process;
 nvidia-smi logged throughout (`bench_stack.SmiLogger`); medians over
 processes with 95% intervals and verdicts (`bench_stats`). An FFN process
 times every variant of its shape, in its own random order of rounds. Per-step
@@ -36,7 +37,7 @@ result so far is kept (``fp8_rows.json`` after every process).
 
 Usage (GPU; ``--estimate-only`` prints the schedule and its time estimate)::
 
-    PYTHONUNBUFFERED=1 python experiments/bench_fp8_campaign.py --deadline-s 290 --out $OUT
+    PYTHONUNBUFFERED=1 python experiments/bench_fp8_campaign.py --deadline-s 540 --out $OUT
 
 Smoke (CPU, tiny sizes)::
 
@@ -121,7 +122,9 @@ def say(msg: str) -> None:
 
 # ---------------------------------------------------------------------------- plan
 def build_plan(args, workdir: str):
-    """``(ref jobs, timed jobs in timing order)``."""
+    """``(ref jobs, timed jobs in timing order, gradient jobs)``: the refs write
+    the fp8 states the timed processes wait for; the gradient jobs (cosines
+    against bf16 and float32) run last, holding nothing up."""
     shapes = SMOKE_FFN if args.smoke else FFN_SHAPES
     ffn = [shapes[s] for s in args.ffn_shapes] if "ffn" in args.sections else []
     steps = [STEP_SETUPS[c] for c in args.configs] if "step" in args.sections else []
@@ -147,17 +150,18 @@ def build_plan(args, workdir: str):
     units = [(c, "ffn") for c in ffn] + [(c, v) for c in steps for v in args.step_variants]
     timed = [job(c, v, "timed", rnd, i) for i, (rnd, (c, v)) in
              enumerate(bp.timing_order(units, args.repeats, args.seed))]
-    return refs, timed
+    grads = [job(c, "grads", "ref", 0, -1) for c in steps]
+    return refs, timed, grads
 
 
 #: Planning assumptions of the printed estimate (seconds; not measurements:
 #: the results' timeline holds what each phase took).
-ASSUME = {"startup": 20.0, "ref": {"medium": 140.0, "7b": 200.0}, "prep_cold": 45.0, "prep_warm": 15.0,
+ASSUME = {"startup": 20.0, "ref": {"medium": 140.0, "7b": 200.0}, "grads": {"medium": 200.0, "7b": 260.0}, "prep_cold": 45.0, "prep_warm": 15.0,
           "ffn_call_ms": {"1b": 1.5, "7b": 5.0}, "step_ms": {"medium": 110.0, "7b": 200.0}, "process": 1.5,
           "train_setup": 60.0, "train_pair_step": 0.2, "train_end": 15.0, "report": 10.0}
 
 
-def estimate(args, refs, timed) -> dict:
+def estimate(args, refs, timed, grads=()) -> dict:
     """Seconds each phase should take under `ASSUME`."""
     if args.smoke:
         return {"total_s": 0.0, "note": "smoke: no estimate"}
@@ -179,8 +183,9 @@ def estimate(args, refs, timed) -> dict:
         timing += ASSUME["process"]
     train = (ASSUME["train_setup"] + args.train_steps * ASSUME["train_pair_step"] + ASSUME["train_end"]
              if "train" in args.sections else 0.0)
-    total = ASSUME["startup"] + ref + prep + timing + train + ASSUME["report"]
-    return {"ref_s": ref, "prep_s": prep, "timing_s": timing, "train_s": train, "total_s": total,
+    cosines = max([ASSUME["grads"][j.cfg.name] for j in grads] or [0.0])
+    total = ASSUME["startup"] + ref + prep + timing + cosines + train + ASSUME["report"]
+    return {"ref_s": ref, "prep_s": prep, "timing_s": timing, "grads_s": cosines, "train_s": train, "total_s": total,
             "assumptions": ASSUME}
 
 
@@ -256,7 +261,7 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default=None, help="scratch for specs, states, caches, logs (default a temp dir)")
     p.add_argument("--jobs", type=int, default=None, help="processes preparing at once, cold (default 8; smoke 2)")
     p.add_argument("--warm-jobs", type=int, default=None, help="... once compiled (default 12; smoke 2)")
-    p.add_argument("--deadline-s", type=float, default=None, help="whole-campaign budget (default 290; smoke 900)")
+    p.add_argument("--deadline-s", type=float, default=None, help="whole-campaign budget (default 540; smoke 900)")
     p.add_argument("--reserve-s", type=float, default=None, help="kept for the report at the end")
     p.add_argument("--min-batch-s", type=float, default=None, help="no batch starts with less time left")
     p.add_argument("--min-train-s", type=float, default=None, help="no training run starts with less time left")
@@ -279,7 +284,7 @@ def parse_args(argv=None):
     for name, full, small in (("repeats", 3, 2), ("steps", 10, 2), ("warmup", 2, 1), ("ffn_rounds", 3, 2),
                               ("ffn_batches", 3, 2), ("ffn_calls", 8, 2), ("ffn_warm_calls", 2, 1),
                               ("train_steps", 250, 6), ("train_val_every", 50, 3), ("jobs", 8, 2),
-                              ("warm_jobs", 12, 2), ("deadline_s", 290.0, 900.0), ("reserve_s", 15.0, 5.0),
+                              ("warm_jobs", 12, 2), ("deadline_s", 540.0, 900.0), ("reserve_s", 15.0, 5.0),
                               ("min_batch_s", 40.0, 5.0), ("min_train_s", 90.0, 5.0),
                               ("prep_timeout_s", 300.0, 300.0), ("measure_timeout_s", 120.0, 120.0),
                               ("xla_flags", "", ""), ("ffn_shapes", "1b,7b", "1b"),
@@ -321,14 +326,14 @@ def main(argv=None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="eae_fp8_")
     for sub in ("specs", "logs", "state"):
         os.makedirs(os.path.join(workdir, sub), exist_ok=True)
-    refs, timed = build_plan(args, workdir)
-    est = estimate(args, refs, timed)
+    refs, timed, grads = build_plan(args, workdir)
+    est = estimate(args, refs, timed, grads)
     order = [{"order": j.order, "round": j.round, "config": j.cfg.name, "variant": j.variant} for j in timed]
     say("timing order (seed %d): %s" % (args.seed, ", ".join(f"{o['variant']}@{o['config']}#{o['round']}"
                                                            for o in order)))
     if not args.smoke:
         say(f"estimate: refs {est['ref_s']:.0f}s, prepare {est['prep_s']:.0f}s, timing {est['timing_s']:.0f}s, "
-            f"training {est['train_s']:.0f}s: {est['total_s']:.0f}s in all (deadline {args.deadline_s:.0f}s; "
+            f"gradients {est['grads_s']:.0f}s, training {est['train_s']:.0f}s: {est['total_s']:.0f}s in all (deadline {args.deadline_s:.0f}s; "
             "planning assumptions, see the timeline for what each phase took)")
     if args.estimate_only:
         return 0
@@ -370,9 +375,10 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     try:
         if refs or timed:
-            # The reference processes lead the first batch: FFN and bf16 processes compile beside
-            # them; the fp8 step processes wait for the states they write.
-            runner.run_group("fp8", refs + timed, write, save_rows)
+            # The state writers lead the first batch: FFN and bf16 processes compile beside
+            # them; the fp8 step processes wait for their states. The gradient references
+            # (their float32 step compiles for minutes) come after everything timed.
+            runner.run_group("fp8", refs + timed + grads, write, save_rows)
         if "train" in args.sections:
             left = runner.remaining() - args.reserve_s
             if left < args.min_train_s:
@@ -384,7 +390,7 @@ def main(argv=None) -> int:
                 runner.timeline.append({"phase": "train", "s": train["wall_s"]})
             save_rows()
     finally:
-        bst.finish_campaign(runner, refs + timed, smi, meta, workdir, args, save_rows, write)
+        bst.finish_campaign(runner, refs + timed + grads, smi, meta, workdir, args, save_rows, write)
     return 0
 
 

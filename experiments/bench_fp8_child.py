@@ -2,12 +2,15 @@
 
 Roles (``spec['role']``, ``spec['variant']``):
 
-* ``ref``: for one model configuration, the gradients of one train step
-  (same params, same tokens) in bf16, in float32 (HIGHEST matmul precision,
-  XLA attention), with our fp8 seams and with Flax's fp8 ops, and their
-  cosines; it binds our seams as the training command does, observes the
-  gradient scales, warms Flax's amax histories, and writes both fp8 states
-  for the timed processes. Runs while nothing is timed.
+* ``ref``, variant ``ref`` (first batch): for one model configuration,
+  binds our seams as the training command does, observes the gradient
+  scales, warms Flax's amax histories, and writes both fp8 states for the
+  timed processes (`run_ref_states`).
+* ``ref``, variant ``grads`` (after the timed processes): the gradients of
+  one train step (same params, same tokens) in bf16, in float32 (HIGHEST
+  matmul precision, XLA attention), with our fp8 seams and with Flax's fp8
+  ops, and their cosines (`run_ref_grads`). Neither runs while anything is
+  timed.
 * ``timed``, variant ``ffn``: every FFN variant of one shape, compiled and
   set up before READY; after GO, ``rounds`` rounds, each a seeded random
   permutation of the variants; each visit times the forward, then the
@@ -117,14 +120,11 @@ def _timed_compile(fn, args, donate=()):
 
 
 # ---------------------------------------------------------------------- ref
-def run_ref(spec) -> dict:
+def _grads_runner(params, tokens, out):
+    """``grads(name, model, kind, bound, state, precision)``: one compiled
+    gradient step, its compile and run seconds recorded in ``out``."""
     import jax
     import bench_fp8_programs as bp
-
-    m16, tokens_sds = _model_and_batch(spec)
-    m32 = bp.lm_config(spec["preset"], "fp32", spec.get("smoke", False))
-    params, tokens = _params_and_tokens(spec, m16, tokens_sds)
-    out = {"status": "ok", "role": "ref", "compile_s": {}, "run_s": {}, "cosines": {}}
 
     def grads(name, model, kind, bound=None, state=None, precision=None):
         fn = bp.grad_fn(model, kind, bound)
@@ -137,18 +137,30 @@ def run_ref(spec) -> dict:
         _log(f"{name}: loss {float(res[0]):.5f} (compile {out['compile_s'][name]:.1f}s)")
         return res
 
-    loss16, g16, _ = grads("bf16", m16, "bf16")
-    loss32, g32, _ = grads("f32", m32, "f32", precision="highest")
-    out.update(loss=float(loss16), loss_f32=float(loss32))
-    out["cosines"]["bf16"] = {"vs_f32": bp.grad_agreement(g16, g32)}
+    return grads
 
-    def compare(name, g, loss):
-        out["cosines"][name] = {"vs_bf16": bp.grad_agreement(g, g16), "vs_f32": bp.grad_agreement(g, g32),
-                                "loss": float(loss)}
 
-    # Ours, bound as the training command binds it; one current-scaling step
-    # observes the gradient scales (as the command's first step), then the
-    # command's recipe.
+def _flax_failed(spec, err: BaseException) -> str:
+    """Record a failed Flax reference beside its state (its timed processes stop waiting)."""
+    why = f"{type(err).__name__}: {str(err)[:1000]}"
+    _log(f"Flax reference failed: {why}")
+    with open(os.path.join(os.path.dirname(state_path(spec["workdir"], spec["config"], "flax")), "failed"), "w") as f:
+        f.write(f"Flax's reference step failed: {why[:300]}")
+    return why
+
+
+def run_ref_states(spec) -> dict:
+    """Bind our seams as the training command does, observe the gradient
+    scales with one current-scaling step, warm Flax's amax histories, and
+    write both fp8 states: what the timed fp8 processes wait for, so it
+    leads the first batch and does nothing else."""
+    import jax
+    import bench_fp8_programs as bp
+
+    m16, tokens_sds = _model_and_batch(spec)
+    params, tokens = _params_and_tokens(spec, m16, tokens_sds)
+    out = {"status": "ok", "role": "ref", "part": "states", "compile_s": {}, "run_s": {}}
+    grads = _grads_runner(params, tokens, out)
     t = time.perf_counter()
     bound = bp.eae_block(m16, params, tokens)
     out["bind_s"] = time.perf_counter() - t
@@ -158,6 +170,46 @@ def run_ref(spec) -> dict:
     out["observe_step_rejected"] = bool(rejected)
     ours = bp.delayed(bound)
     ours.require_grad_scales(jax.device_get(state))
+    _save(state_path(spec["workdir"], spec["config"], "eae"),
+          {"seams": ours.seams, "fallback": ours.fallback, "state": jax.device_get(state)})
+    # A fresh Flax op scales by 1 until its amax histories hold this batch's:
+    # its variables are warmed first (the params stay).
+    try:
+        vs = bp.flax_block_state(m16.depth)
+        for i in range(spec.get("flax_warmup", 2)):
+            _, _, vs = grads(f"flax-warm{i}", m16, "flax", state=vs)
+        _save(state_path(spec["workdir"], spec["config"], "flax"), jax.device_get(vs))
+    except Exception as err:  # ours is written: keep it
+        out["flax_error"] = _flax_failed(spec, err)
+    return out
+
+
+def run_ref_grads(spec) -> dict:
+    """The gradients of one train step (same params, same tokens) in bf16, in
+    float32 (HIGHEST matmul precision, XLA attention), with our fp8 seams and
+    with Flax's fp8 ops from the written states, and their cosines. Nothing
+    waits for it: it runs after the timed processes."""
+    import jax
+    import bench_fp8_programs as bp
+    from eae_jax import fp8
+
+    m16, tokens_sds = _model_and_batch(spec)
+    m32 = bp.lm_config(spec["preset"], "fp32", spec.get("smoke", False))
+    params, tokens = _params_and_tokens(spec, m16, tokens_sds)
+    out = {"status": "ok", "role": "ref", "part": "grads", "compile_s": {}, "run_s": {}, "cosines": {}}
+    grads = _grads_runner(params, tokens, out)
+    loss16, g16, _ = grads("bf16", m16, "bf16")
+    loss32, g32, _ = grads("f32", m32, "f32", precision="highest")
+    out.update(loss=float(loss16), loss_f32=float(loss32))
+    out["cosines"]["bf16"] = {"vs_f32": bp.grad_agreement(g16, g32)}
+
+    def compare(name, g, loss):
+        out["cosines"][name] = {"vs_bf16": bp.grad_agreement(g, g16), "vs_f32": bp.grad_agreement(g, g32),
+                                "loss": float(loss)}
+
+    saved = _load(state_path(spec["workdir"], spec["config"], "eae"))
+    ours = fp8.BoundBlock(m16.block, saved["seams"], saved["state"], {}, fallback=saved["fallback"])
+    state = saved["state"]
     loss8, g8, gs8 = grads("eae-fp8", m16, "eae", ours, state)
     _, bad = ours.fold_step(state, gs8, notify=False)
     report = ours.report(jax.device_get(ours.fold(state, gs8, notify=False)))
@@ -165,24 +217,12 @@ def run_ref(spec) -> dict:
                        "calls": sum(e["calls"] for e in report), "fp8_calls": sum(e["fp8_calls"] for e in report)}
     compare("eae-fp8", g8, loss8)
     del g8, gs8
-    _save(state_path(spec["workdir"], spec["config"], "eae"),
-          {"seams": ours.seams, "fallback": ours.fallback, "state": jax.device_get(state)})
-
-    # Flax: a fresh op scales by 1 until its amax histories hold this
-    # batch's, so its variables are warmed first (the params stay).
     try:
-        vs = bp.flax_block_state(m16.depth)
-        for i in range(spec.get("flax_warmup", 2)):
-            _, _, vs = grads(f"flax-warm{i}", m16, "flax", state=vs)
+        vs = _load(state_path(spec["workdir"], spec["config"], "flax"))
         lossf, gf, _ = grads("flax-fp8", m16, "flax", state=vs)
         compare("flax-fp8", gf, lossf)
-        _save(state_path(spec["workdir"], spec["config"], "flax"), jax.device_get(vs))
-    except Exception as err:  # ours and bf16 are written: keep them; Flax's timed processes stop waiting
+    except Exception as err:  # the states process may have recorded why already
         out["flax_error"] = f"{type(err).__name__}: {str(err)[:1000]}"
-        _log(f"Flax reference failed: {out['flax_error']}")
-        with open(os.path.join(os.path.dirname(state_path(spec["workdir"], spec["config"], "flax")), "failed"),
-                  "w") as f:
-            f.write(f"Flax's reference step failed: {out['flax_error'][:300]}")
     return out
 
 
@@ -327,7 +367,7 @@ def main(spec_path: str) -> None:
     role, variant = spec.get("role", "timed"), spec["variant"]
     if role == "ref":
         try:
-            result = run_ref(spec)
+            result = run_ref_grads(spec) if variant == "grads" else run_ref_states(spec)
         except BaseException as err:  # the timed processes waiting for its states stop waiting
             path = os.path.join(spec["workdir"], "state", spec["config"], "failed")
             os.makedirs(os.path.dirname(path), exist_ok=True)

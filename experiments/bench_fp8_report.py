@@ -154,8 +154,16 @@ def cosine_summary(rows: List[dict]) -> Dict[str, dict]:
     """The reference processes' gradient agreements, per configuration."""
     keys = ("cosines", "loss", "loss_f32", "gate_worst_cos", "eae_step", "flax_error", "observe_step_rejected",
             "compile_s", "run_s", "bind_s")
-    return {r["config"]: {k: r.get(k) for k in keys}
-            for r in rows if r.get("role") == "ref" and r.get("status") == "ok"}
+    out: Dict[str, dict] = {}
+    for r in rows:  # a configuration's state writer and its gradient process, merged
+        if r.get("role") == "ref" and r.get("status") == "ok":
+            got = out.setdefault(r["config"], {k: None for k in keys})
+            for k in keys:
+                if isinstance(r.get(k), dict) and isinstance(got[k], dict):
+                    got[k] = {**got[k], **r[k]}
+                elif r.get(k) is not None:
+                    got[k] = r[k]
+    return out
 
 
 # ---------------------------------------------------------------------------- training runs
@@ -347,8 +355,8 @@ METHOD = ("Statistic: median over processes of each process's median (train step
           "sample being `calls` calls dispatched back to back and synchronised once). 95% CI: the span of a "
           "two-level bootstrap and a t interval on the log process medians (Welch's for ratios), `bench_stats`. "
           "A ratio is a win or a loss only when its CI excludes 1, else a tie. Timed processes run one at a time in "
-          "a seeded random order of rounds, after reference processes; an FFN process visits its variants in its "
-          "own random order of rounds. Clocks: nvidia-smi throughout (smi.csv.gz), per timing window in the JSON.")
+          "a seeded random order of rounds, after the fp8 state writers and before the gradient references; an "
+          "FFN process visits its variants in its own random order of rounds. Clocks: nvidia-smi throughout (smi.csv.gz), per timing window in the JSON.")
 
 NOTES = (
     "Ours runs the training command's fp8 configuration (TrainConfig defaults for --dtype fp8_e4m3: delayed "

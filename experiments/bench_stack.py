@@ -234,8 +234,9 @@ class Runner:
         if row.get("status") != "ok":
             say(f"  {job.key:<34} {row.get('status')}: {str(row.get('error'))[:300]}")
         elif job.role == "ref":
-            say(f"  {job.key:<34} references written (loss {row.get('loss'):.5f}, "
-                f"float32 {row.get('loss_f32'):.5f}) in {time.time() - job.started:.0f}s")
+            losses = ", ".join(f"{k} {row[k]:.5f}" for k in ("loss", "loss_f32") if row.get(k) is not None)
+            say(f"  {job.key:<34} references written{f' ({losses})' if losses else ''} "
+                f"in {time.time() - job.started:.0f}s")
         else:
             peak = row.get("peak_bytes")
             say(f"  {job.key:<34} {row['step_ms_median']:9.2f} ms  peak "

@@ -68,3 +68,19 @@ def test_grad_agreement_matches_float64_cosines():
     assert out["global"] == pytest.approx(whole, abs=1e-6)
     with pytest.raises(ValueError, match="trees differ"):
         prog.grad_agreement({"a": np.ones(2)}, {"b": np.ones(2)})
+
+
+def test_the_state_writer_and_the_gradient_references_merge_per_configuration():
+    report = load_experiment("bench_fp8_report")
+    states = {"role": "ref", "status": "ok", "config": "medium", "part": "states", "bind_s": 3.0,
+              "gate_worst_cos": 0.9991, "observe_step_rejected": False, "compile_s": {"eae-observe": 9.0}}
+    grads = {"role": "ref", "status": "ok", "config": "medium", "part": "grads", "loss": 4.5, "loss_f32": 4.4,
+             "cosines": {"bf16": {"vs_f32": {"global": 0.99}}}, "compile_s": {"f32": 150.0}}
+    failed = {"role": "ref", "status": "timeout", "config": "7b", "part": "states"}
+    timed = {"role": "timed", "status": "ok", "config": "medium", "loss": 1.0}
+    got = report.cosine_summary([states, timed, grads, failed])
+    assert set(got) == {"medium"}
+    m = got["medium"]
+    assert (m["bind_s"], m["gate_worst_cos"], m["loss"], m["loss_f32"]) == (3.0, 0.9991, 4.5, 4.4)
+    assert m["compile_s"] == {"eae-observe": 9.0, "f32": 150.0} and m["cosines"] == grads["cosines"]
+    assert m["observe_step_rejected"] is False and m["flax_error"] is None

@@ -752,6 +752,41 @@ def test_clip_by_norm_leaves_an_adjoint_exactly_at_the_bound_alone():
         clip.init(jax.ShapeDtypeStruct((3,), jnp.int32), None)
 
 
+# The documented initial state of each stateful pass (its State docstring); update must
+# return the same tree of shapes and dtypes, or the boundary carry of a scan breaks.
+_INIT_STATES = {
+    "clip_by_norm": (lambda: P.clip_by_norm(1.0), P.ClipState(np.float32(0.0), np.bool_(False))),
+}
+
+
+@pytest.mark.parametrize("name", list(_INIT_STATES))
+def test_init_state_is_the_documented_one_and_the_carry_update_returns(name):
+    make, want = _INIT_STATES[name]
+    p = make()
+    g = jnp.array([3.0, -4.0, 0.5], jnp.float32)
+    state0 = _init(p, g)
+    assert jax.tree_util.tree_structure(state0) == jax.tree_util.tree_structure(want)
+    for got, ref in zip(jax.tree_util.tree_leaves(state0), jax.tree_util.tree_leaves(want)):
+        assert np.asarray(got).dtype == np.asarray(ref).dtype and np.shape(got) == np.shape(ref)
+        np.testing.assert_array_equal(np.asarray(got), ref)
+    _, state1 = _call(p, g, state0)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state1, state0)
+
+
+@pytest.mark.parametrize("g,max_norm", [([6e-6, -8e-6], 1e-6), ([6e-6, -8e-6], 2e-6), ([0.3, 0.4, 1.2], 0.5)],
+                         ids=["norm1e-5", "norm1e-5-bound2e-6", "norm1.3"])
+def test_clip_by_norm_factor_is_max_norm_over_norm_plus_1e6(g, max_norm):
+    """The factor ``max_norm / (norm + 1e-6)`` (the seed's ``ClipPass``), checked in float64
+    at a norm of 1e-5 (the 1e-6 is a tenth of it) and of 1.3 (it moves the factor by 8 ulps)."""
+    g = np.asarray(g, np.float32)
+    clip = P.clip_by_norm(max_norm)
+    out, state = _call(clip, g, _init(clip, g))
+    norm = np.linalg.norm(g.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(out), g.astype(np.float64) * (max_norm / (norm + 1e-6)), rtol=2e-7)
+    assert bool(state.clipped)
+    np.testing.assert_allclose(float(state.norm), norm, rtol=2e-7)
+
+
 def test_pass_init_rejects_integer_adjoint_spec():
     with pytest.raises(TypeError, match="floating"):
         P.int8_fake_quant().init(jax.ShapeDtypeStruct((3,), jnp.int32), jax.random.key(0))

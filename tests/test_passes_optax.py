@@ -155,6 +155,23 @@ def test_a_schedule_is_read_at_the_pass_context_step(make, want):
     assert pass_.name.endswith("(schedule)")
 
 
+def test_clip_by_norm_follows_a_schedule_through_zero_and_below():
+    """A scheduled bound is read at each step; once it reaches 0 or goes negative the
+    adjoint is zeroed (the bound is taken as max(bound, 0)), not flipped in sign."""
+    schedule = optax.linear_schedule(6.0, -2.0, 4)  # 6, 4, 2, 0, -2, -2
+    clip = P.clip_by_norm(schedule)
+    g = jnp.array([3.0, -4.0])  # norm 5
+    state = clip.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None)
+    update = jax.jit(clip.update)
+    for step in range(6):
+        out, state = update(g, state, P.PassContext(jnp.int32(0), jnp.int32(0), jnp.int32(step), 2))
+        bound = max(float(schedule(step)), 0.0)
+        want = np.asarray(g, np.float64) * (bound / (5.0 + 1e-6) if bound < 5.0 else 1.0)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=0, err_msg=f"step {step}")
+        assert bool(state.clipped) == (bound < 5.0) and float(state.norm) == 5.0
+    assert [float(schedule(t)) for t in range(6)] == [6.0, 4.0, 2.0, 0.0, -2.0, -2.0]
+
+
 def test_schedules_are_checked_at_step_zero():
     with pytest.raises(ValueError, match="gaussian_noise: std schedule at step 0: std must be >= 0.0, got -1.0"):
         P.gaussian_noise(lambda step: -1.0 + step)

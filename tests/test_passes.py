@@ -179,6 +179,19 @@ def test_cast_roundtrip_matches_numpy_cast(name, np_dtype):
     assert not np.array_equal(out, g)
 
 
+@pytest.mark.parametrize("name,adjoint_dtype,narrow", [("fp16", ml_dtypes.bfloat16, np.float16),
+                                                       ("bf16", np.float16, ml_dtypes.bfloat16)])
+def test_cast_roundtrip_keeps_a_low_precision_adjoints_dtype(name, adjoint_dtype, narrow):
+    """The round trip goes back to the adjoint's own dtype, not to float32; the name
+    says the narrow format (what ``--passes`` and the events print)."""
+    g = np.array([1e-9, 1.0 + 2**-9, 1.0 + 2**-7, -3.0, 6e4], np.float32).astype(adjoint_dtype)
+    p = P.cast_roundtrip(name)
+    out = _call(p, g, _init(p, g))[0]
+    assert out.dtype == jnp.dtype(adjoint_dtype) and p.name == f"cast_roundtrip({name})"
+    np.testing.assert_array_equal(np.asarray(out).astype(np.float32), g.astype(narrow).astype(adjoint_dtype).astype(np.float32))
+    assert not np.array_equal(np.asarray(out).astype(np.float32), g.astype(np.float32))
+
+
 def test_cast_roundtrip_bad_dtype():
     with pytest.raises(ValueError, match="unknown dtype"):
         P.cast_roundtrip("fp12")
@@ -752,10 +765,18 @@ def test_clip_by_norm_leaves_an_adjoint_exactly_at_the_bound_alone():
         clip.init(jax.ShapeDtypeStruct((3,), jnp.int32), None)
 
 
-# The documented initial state of each stateful pass (its State docstring); update must
-# return the same tree of shapes and dtypes, or the boundary carry of a scan breaks.
+# The documented initial state of each stateful pass (its State docstring) for a (3,)
+# bfloat16 adjoint; update must return the same tree of shapes and dtypes, or the
+# boundary carry of a scan breaks.
+_BF16_3 = ml_dtypes.bfloat16
 _INIT_STATES = {
-    "clip_by_norm": (lambda: P.clip_by_norm(1.0), P.ClipState(np.float32(0.0), np.bool_(False))),
+    "capture": (P.capture, P.CaptureState(np.zeros(3, _BF16_3))),
+    "clip_by_norm(1)": (lambda: P.clip_by_norm(1.0), P.ClipState(np.float32(0.0), np.bool_(False))),
+    "int8_fake_quant": (P.int8_fake_quant, P.Int8State(np.float32(0.0))),
+    "nonfinite_guard(zero)": (P.nonfinite_guard, P.GuardState(np.int32(0), np.int32(0))),
+    "statistics": (P.statistics, P.StatsState(*[np.float32(0.0)] * 5, np.int32(0), np.bool_(False), np.bool_(False))),
+    "topk_compress(0.5, ef)": (lambda: P.topk_compress(0.5), P.TopKState(np.zeros(3, np.float32), np.int32(0))),
+    "topk_compress(0.5)": (lambda: P.topk_compress(0.5, error_feedback=False), P.TopKState(None, np.int32(0))),
 }
 
 
@@ -763,7 +784,8 @@ _INIT_STATES = {
 def test_init_state_is_the_documented_one_and_the_carry_update_returns(name):
     make, want = _INIT_STATES[name]
     p = make()
-    g = jnp.array([3.0, -4.0, 0.5], jnp.float32)
+    assert p.name == name
+    g = jnp.array([3.0, -4.0, 0.5], jnp.bfloat16)
     state0 = _init(p, g)
     assert jax.tree_util.tree_structure(state0) == jax.tree_util.tree_structure(want)
     for got, ref in zip(jax.tree_util.tree_leaves(state0), jax.tree_util.tree_leaves(want)):
@@ -771,6 +793,10 @@ def test_init_state_is_the_documented_one_and_the_carry_update_returns(name):
         np.testing.assert_array_equal(np.asarray(got), ref)
     _, state1 = _call(p, g, state0)
     chex.assert_trees_all_equal_shapes_and_dtypes(state1, state0)
+    with pytest.raises(TypeError) as err:  # the whole message, naming the pass
+        p.init(jax.ShapeDtypeStruct((3,), jnp.int32), None)
+    assert str(err.value).startswith(name.split("(")[0])
+    assert str(err.value).endswith(": adjoints are floating arrays; got dtype int32")
 
 
 @pytest.mark.parametrize("g,max_norm", [([6e-6, -8e-6], 1e-6), ([6e-6, -8e-6], 2e-6), ([0.3, 0.4, 1.2], 0.5)],

@@ -172,6 +172,22 @@ def test_clip_by_norm_follows_a_schedule_through_zero_and_below():
     assert [float(schedule(t)) for t in range(6)] == [6.0, 4.0, 2.0, 0.0, -2.0, -2.0]
 
 
+def test_a_scheduled_decay_rounds_a_bfloat16_adjoint_once():
+    """The factor 1 - strength(step) in float32, the product rounded once to the adjoint's dtype."""
+    import ml_dtypes
+
+    schedule = optax.linear_schedule(0.0, 0.74, 2)  # 0, 0.37, 0.74
+    decay = P.decay(schedule)
+    g = jnp.asarray(np.random.default_rng(0).standard_normal(64), jnp.bfloat16)
+    update = jax.jit(decay.update)
+    for step in range(3):
+        out, _ = update(g, P.EmptyState(), P.PassContext(jnp.int32(0), jnp.int32(0), jnp.int32(step), 2))
+        factor = np.float32(1.0) - np.float32(schedule(step))
+        want = (np.asarray(g, np.float32) * factor).astype(ml_dtypes.bfloat16)
+        assert out.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(out).astype(np.float32), want.astype(np.float32), err_msg=f"step {step}")
+
+
 def test_schedules_are_checked_at_step_zero():
     with pytest.raises(ValueError, match="gaussian_noise: std schedule at step 0: std must be >= 0.0, got -1.0"):
         P.gaussian_noise(lambda step: -1.0 + step)

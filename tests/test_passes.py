@@ -472,6 +472,28 @@ def test_gaussian_noise_accepts_raw_uint32_keys():
     assert _trees_bitequal(raw, typed)
     with pytest.raises(TypeError, match="PRNG key"):
         p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None)
+    # the state holds a typed key either way (NoiseState's docstring); errors name the pass
+    assert jax.dtypes.issubdtype(raw.key.dtype, jax.dtypes.prng_key) and raw.key.shape == ()
+    with pytest.raises(TypeError) as err:
+        p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None)
+    assert str(err.value) == "gaussian_noise(0.1): init needs a PRNG key (jax.random.key)"
+    with pytest.raises(TypeError) as err:
+        p.init(jax.ShapeDtypeStruct((3,), jnp.int32), jax.random.key(5))
+    assert str(err.value) == "gaussian_noise(0.1): adjoints are floating arrays; got dtype int32"
+
+
+@pytest.mark.parametrize("std", [0.5, optax.constant_schedule(0.5)], ids=["fixed", "schedule"])
+def test_gaussian_noise_keeps_a_bfloat16_adjoint_in_bfloat16(std):
+    """The noise is drawn in the adjoint's dtype and scaled by std in it (a schedule's too)."""
+    p = P.gaussian_noise(std)
+    g = jnp.asarray([1.0, -2.0, 0.5, 3.0, 0.25, -1.5], jnp.bfloat16)
+    state = _init(p, g, key=3)
+    out, new = _call(p, g, state)
+    key, sub = jax.random.split(state.key)
+    noise = np.asarray(jax.random.normal(sub, g.shape, jnp.bfloat16), np.float32)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(g, np.float32) + 0.5 * noise, rtol=2**-8, atol=2**-8)
+    assert _trees_bitequal(new.key, key)
 
 
 def test_gaussian_noise_key_evolves_and_run_is_reproducible():

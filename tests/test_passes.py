@@ -231,6 +231,17 @@ def test_topk_bad_ratio(ratio, err):
         P.topk_compress(ratio)
 
 
+@pytest.mark.parametrize("kwargs,err,message", [
+    (dict(ratio=1.0), ValueError, "ratio must be < 1.0, got 1.0"),
+    (dict(ratio=-0.1), ValueError, "ratio must be >= 0.0, got -0.1"),
+    (dict(ratio=0.5, error_feedback=1), TypeError, "error_feedback must be a bool, got 1"),
+])
+def test_topk_bad_arguments_are_named_in_full(kwargs, err, message):
+    with pytest.raises(err) as info:
+        P.topk_compress(**kwargs)
+    assert str(info.value) == f"topk_compress: {message}"
+
+
 def _with_nonfinite():
     g = np.arange(12, dtype=np.float32).reshape(3, 4) - 5
     g[0, 1], g[2, 3] = np.nan, -np.inf

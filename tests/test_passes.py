@@ -225,6 +225,19 @@ def test_topk_error_feedback_carries_the_residual():
     np.testing.assert_allclose(total_out + residual, total_in, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("numel,ratio,k", [(0, 0.5, 0), (0, 0.0, 0), (1, 0.9, 1), (1, 0.0, 1), (10, 0.75, 2),
+                                         (10, 0.99, 1), (7, 0.0, 7)])
+def test_topk_num_kept_is_max_1_int_numel_times_1_minus_ratio(numel, ratio, k):
+    """k = max(1, int(numel * (1 - ratio))), and 0 only for an empty adjoint."""
+    assert P.topk.num_kept(numel, ratio) == k
+    if numel:  # the pass keeps that many (no ties here)
+        g = np.arange(1, numel + 1, dtype=np.float32)
+        p = P.topk_compress(ratio, error_feedback=False)
+        out, state = _call(p, g, _init(p, g))
+        assert int(state.kept) == k
+        np.testing.assert_array_equal(np.asarray(out), np.where(g > numel - k, g, 0))
+
+
 @pytest.mark.parametrize("ratio,err", [(1.0, ValueError), (-0.1, ValueError), ("half", TypeError)])
 def test_topk_bad_ratio(ratio, err):
     with pytest.raises(err, match="ratio"):

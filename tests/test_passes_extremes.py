@@ -123,6 +123,16 @@ def test_statistics_of_huge_finite_adjoints_stay_finite(g):
     assert float(state.max) == float(ref.max()) and float(state.min) == float(ref.min())
 
 
+def test_statistics_counts_adjoints_of_up_to_int32_max_entries():
+    """numel is an int32: 2**31-1 entries (the bound itself) are accepted, 2**31 refused at init."""
+    p = P.statistics()
+    state = p.init(jax.ShapeDtypeStruct((2**31 - 1,), jnp.float32), None)  # a spec: nothing is allocated
+    assert int(state.numel) == 0
+    with pytest.raises(ValueError) as err:
+        p.init(jax.ShapeDtypeStruct((2**16, 2**15), jnp.bfloat16), None)
+    assert str(err.value) == "statistics: adjoint of shape (65536, 32768) has more than 2**31-1 entries"
+
+
 def test_statistics_of_nonfinite_adjoints_keep_their_flags():
     # The overflow path is for finite adjoints only: an inf stays reported as inf.
     _, state = _apply(P.statistics(), jnp.asarray([1.0, jnp.inf, 2.0], jnp.float32))

@@ -200,6 +200,23 @@ def test_schedules_are_checked_at_step_zero():
     assert P.gaussian_noise(lambda step: 0.0 * step).name == "gaussian_noise(schedule)"  # 0 at step 0 is allowed
 
 
+def test_a_schedule_value_at_step_zero_is_checked_like_a_number():
+    """A real scalar (integer or float) passes; other dtypes, shapes and values out of
+    bounds are refused with the whole message; finite is checked for a schedule too."""
+    assert P.decay(lambda step: 1).name == "decay(schedule)"  # an integer is a real scalar
+    for schedule, got in [(lambda step: 1j, "complex128[]"), (lambda step: True, "bool[]"),
+                          (lambda step: jnp.ones(2), "float32[2]")]:
+        with pytest.raises(TypeError) as err:
+            P.decay(schedule)
+        assert str(err.value) == f"decay: a strength schedule must return a real scalar, got {got} at step 0"
+    with pytest.raises(ValueError) as err:
+        P.decay(lambda step: jnp.inf + 0.0 * step)
+    assert str(err.value) == "decay: strength schedule at step 0: strength must be finite, got inf"
+    # an infinite clipping bound is a number > 0 (no clipping): finite is off by default
+    assert P.clip_by_norm(float("inf")).name == "clip_by_norm(inf)"
+    assert P.clip_by_norm(lambda step: jnp.inf + 0.0 * step).name == "clip_by_norm(schedule)"
+
+
 def test_the_command_line_still_takes_numbers_for_schedulable_hyperparameters():
     assert {p.name: p.kind for p in PASSES["noise"].params} == {"std": float}
     assert {p.name: p.kind for p in PASSES["clip"].params} == {"max_norm": float}

@@ -179,6 +179,19 @@ def test_cast_roundtrip_matches_numpy_cast(name, np_dtype):
     assert not np.array_equal(out, g)
 
 
+@pytest.mark.parametrize("name,adjoint_dtype,narrow", [("fp16", ml_dtypes.bfloat16, np.float16),
+                                                       ("bf16", np.float16, ml_dtypes.bfloat16)])
+def test_cast_roundtrip_keeps_a_low_precision_adjoints_dtype(name, adjoint_dtype, narrow):
+    """The round trip goes back to the adjoint's own dtype, not to float32; the name
+    says the narrow format (what ``--passes`` and the events print)."""
+    g = np.array([1e-9, 1.0 + 2**-9, 1.0 + 2**-7, -3.0, 6e4], np.float32).astype(adjoint_dtype)
+    p = P.cast_roundtrip(name)
+    out = _call(p, g, _init(p, g))[0]
+    assert out.dtype == jnp.dtype(adjoint_dtype) and p.name == f"cast_roundtrip({name})"
+    np.testing.assert_array_equal(np.asarray(out).astype(np.float32), g.astype(narrow).astype(adjoint_dtype).astype(np.float32))
+    assert not np.array_equal(np.asarray(out).astype(np.float32), g.astype(np.float32))
+
+
 def test_cast_roundtrip_bad_dtype():
     with pytest.raises(ValueError, match="unknown dtype"):
         P.cast_roundtrip("fp12")
@@ -212,10 +225,34 @@ def test_topk_error_feedback_carries_the_residual():
     np.testing.assert_allclose(total_out + residual, total_in, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("numel,ratio,k", [(0, 0.5, 0), (0, 0.0, 0), (1, 0.9, 1), (1, 0.0, 1), (10, 0.75, 2),
+                                         (10, 0.99, 1), (7, 0.0, 7)])
+def test_topk_num_kept_is_max_1_int_numel_times_1_minus_ratio(numel, ratio, k):
+    """k = max(1, int(numel * (1 - ratio))), and 0 only for an empty adjoint."""
+    assert P.topk.num_kept(numel, ratio) == k
+    if numel:  # the pass keeps that many (no ties here)
+        g = np.arange(1, numel + 1, dtype=np.float32)
+        p = P.topk_compress(ratio, error_feedback=False)
+        out, state = _call(p, g, _init(p, g))
+        assert int(state.kept) == k
+        np.testing.assert_array_equal(np.asarray(out), np.where(g > numel - k, g, 0))
+
+
 @pytest.mark.parametrize("ratio,err", [(1.0, ValueError), (-0.1, ValueError), ("half", TypeError)])
 def test_topk_bad_ratio(ratio, err):
     with pytest.raises(err, match="ratio"):
         P.topk_compress(ratio)
+
+
+@pytest.mark.parametrize("kwargs,err,message", [
+    (dict(ratio=1.0), ValueError, "ratio must be < 1.0, got 1.0"),
+    (dict(ratio=-0.1), ValueError, "ratio must be >= 0.0, got -0.1"),
+    (dict(ratio=0.5, error_feedback=1), TypeError, "error_feedback must be a bool, got 1"),
+])
+def test_topk_bad_arguments_are_named_in_full(kwargs, err, message):
+    with pytest.raises(err) as info:
+        P.topk_compress(**kwargs)
+    assert str(info.value) == f"topk_compress: {message}"
 
 
 def _with_nonfinite():
@@ -459,6 +496,28 @@ def test_gaussian_noise_accepts_raw_uint32_keys():
     assert _trees_bitequal(raw, typed)
     with pytest.raises(TypeError, match="PRNG key"):
         p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None)
+    # the state holds a typed key either way (NoiseState's docstring); errors name the pass
+    assert jax.dtypes.issubdtype(raw.key.dtype, jax.dtypes.prng_key) and raw.key.shape == ()
+    with pytest.raises(TypeError) as err:
+        p.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None)
+    assert str(err.value) == "gaussian_noise(0.1): init needs a PRNG key (jax.random.key)"
+    with pytest.raises(TypeError) as err:
+        p.init(jax.ShapeDtypeStruct((3,), jnp.int32), jax.random.key(5))
+    assert str(err.value) == "gaussian_noise(0.1): adjoints are floating arrays; got dtype int32"
+
+
+@pytest.mark.parametrize("std", [0.5, optax.constant_schedule(0.5)], ids=["fixed", "schedule"])
+def test_gaussian_noise_keeps_a_bfloat16_adjoint_in_bfloat16(std):
+    """The noise is drawn in the adjoint's dtype and scaled by std in it (a schedule's too)."""
+    p = P.gaussian_noise(std)
+    g = jnp.asarray([1.0, -2.0, 0.5, 3.0, 0.25, -1.5], jnp.bfloat16)
+    state = _init(p, g, key=3)
+    out, new = _call(p, g, state)
+    key, sub = jax.random.split(state.key)
+    noise = np.asarray(jax.random.normal(sub, g.shape, jnp.bfloat16), np.float32)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(g, np.float32) + 0.5 * noise, rtol=2**-8, atol=2**-8)
+    assert _trees_bitequal(new.key, key)
 
 
 def test_gaussian_noise_key_evolves_and_run_is_reproducible():
@@ -750,6 +809,54 @@ def test_clip_by_norm_leaves_an_adjoint_exactly_at_the_bound_alone():
     assert bool(state.clipped)
     with pytest.raises(TypeError, match="^clip_by_norm: "):
         clip.init(jax.ShapeDtypeStruct((3,), jnp.int32), None)
+
+
+# The documented initial state of each stateful pass (its State docstring) for a (3,)
+# bfloat16 adjoint; update must return the same tree of shapes and dtypes, or the
+# boundary carry of a scan breaks.
+_BF16_3 = ml_dtypes.bfloat16
+_INIT_STATES = {
+    "capture": (P.capture, P.CaptureState(np.zeros(3, _BF16_3))),
+    "clip_by_norm(1)": (lambda: P.clip_by_norm(1.0), P.ClipState(np.float32(0.0), np.bool_(False))),
+    "int8_fake_quant": (P.int8_fake_quant, P.Int8State(np.float32(0.0))),
+    "nonfinite_guard(zero)": (P.nonfinite_guard, P.GuardState(np.int32(0), np.int32(0))),
+    "statistics": (P.statistics, P.StatsState(*[np.float32(0.0)] * 5, np.int32(0), np.bool_(False), np.bool_(False))),
+    "topk_compress(0.5, ef)": (lambda: P.topk_compress(0.5), P.TopKState(np.zeros(3, np.float32), np.int32(0))),
+    "topk_compress(0.5)": (lambda: P.topk_compress(0.5, error_feedback=False), P.TopKState(None, np.int32(0))),
+}
+
+
+@pytest.mark.parametrize("name", list(_INIT_STATES))
+def test_init_state_is_the_documented_one_and_the_carry_update_returns(name):
+    make, want = _INIT_STATES[name]
+    p = make()
+    assert p.name == name
+    g = jnp.array([3.0, -4.0, 0.5], jnp.bfloat16)
+    state0 = _init(p, g)
+    assert jax.tree_util.tree_structure(state0) == jax.tree_util.tree_structure(want)
+    for got, ref in zip(jax.tree_util.tree_leaves(state0), jax.tree_util.tree_leaves(want)):
+        assert np.asarray(got).dtype == np.asarray(ref).dtype and np.shape(got) == np.shape(ref)
+        np.testing.assert_array_equal(np.asarray(got), ref)
+    _, state1 = _call(p, g, state0)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state1, state0)
+    with pytest.raises(TypeError) as err:  # the whole message, naming the pass
+        p.init(jax.ShapeDtypeStruct((3,), jnp.int32), None)
+    assert str(err.value).startswith(name.split("(")[0])
+    assert str(err.value).endswith(": adjoints are floating arrays; got dtype int32")
+
+
+@pytest.mark.parametrize("g,max_norm", [([6e-6, -8e-6], 1e-6), ([6e-6, -8e-6], 2e-6), ([0.3, 0.4, 1.2], 0.5)],
+                         ids=["norm1e-5", "norm1e-5-bound2e-6", "norm1.3"])
+def test_clip_by_norm_factor_is_max_norm_over_norm_plus_1e6(g, max_norm):
+    """The factor ``max_norm / (norm + 1e-6)`` (the seed's ``ClipPass``), checked in float64
+    at a norm of 1e-5 (the 1e-6 is a tenth of it) and of 1.3 (it moves the factor by 8 ulps)."""
+    g = np.asarray(g, np.float32)
+    clip = P.clip_by_norm(max_norm)
+    out, state = _call(clip, g, _init(clip, g))
+    norm = np.linalg.norm(g.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(out), g.astype(np.float64) * (max_norm / (norm + 1e-6)), rtol=2e-7)
+    assert bool(state.clipped)
+    np.testing.assert_allclose(float(state.norm), norm, rtol=2e-7)
 
 
 def test_pass_init_rejects_integer_adjoint_spec():

@@ -34,6 +34,18 @@ def test_int8_fake_quant_keeps_tiny_adjoints_finite(amax):
     np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(big, np.float64) * 2.0 ** -80)
 
 
+@pytest.mark.parametrize("amax", [1e-36, 3e-37])
+def test_int8_fake_quant_tiny_adjoint_is_boosted_exactly(amax):
+    # The tiny path scales by an exact power of two: on 256 random entries any other
+    # factor (or its rounded inverse) moves some results by an ulp.
+    g = jax.random.normal(jax.random.key(5), (256,), jnp.float32)
+    g = g * (amax / jnp.max(jnp.abs(g)))
+    out, _ = _apply(P.int8_fake_quant(), g)
+    big, _ = _apply(P.int8_fake_quant(), g * 2.0 ** 80)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(big, np.float64) * 2.0 ** -80)
+    assert np.count_nonzero(np.asarray(out)) > 128  # most entries survive quantization
+
+
 @pytest.mark.parametrize("fmt, scaling", [("e4m3", "current"), ("e5m2", "current"), ("e4m3", "delayed")])
 @pytest.mark.parametrize("amax", [1e-36, 3e-37, 4e-36])
 def test_fp8_quant_keeps_tiny_adjoints_finite(fmt, scaling, amax):
@@ -53,8 +65,12 @@ def test_fp8_quant_keeps_tiny_adjoints_finite(fmt, scaling, amax):
     assert abs(float(out[0]) - amax) <= amax / 4
 
 
-def test_int8_fake_quant_ordinary_adjoint_still_matches_numpy():
+@pytest.mark.parametrize("amax", [None, 3e38], ids=["normal", "above-half-float32-max"])
+def test_int8_fake_quant_ordinary_adjoint_still_matches_numpy(amax):
+    # 3e38: a power-of-two boost of the tiny-adjoint path (x2 or more) would overflow it to inf.
     g = jax.random.normal(jax.random.key(3), (64,), jnp.float32)
+    if amax is not None:
+        g = g * (amax / jnp.max(jnp.abs(g)))
     out, state = _apply(P.int8_fake_quant(), g)
     t = np.asarray(g, np.float32)
     scale = np.float32(np.max(np.abs(t)) / np.float32(127.0))
@@ -105,6 +121,16 @@ def test_statistics_of_huge_finite_adjoints_stay_finite(g):
     np.testing.assert_allclose(float(state.std), np.std(ref), rtol=1e-5)
     np.testing.assert_allclose(float(state.mean), np.mean(ref), rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     assert float(state.max) == float(ref.max()) and float(state.min) == float(ref.min())
+
+
+def test_statistics_counts_adjoints_of_up_to_int32_max_entries():
+    """numel is an int32: 2**31-1 entries (the bound itself) are accepted, 2**31 refused at init."""
+    p = P.statistics()
+    state = p.init(jax.ShapeDtypeStruct((2**31 - 1,), jnp.float32), None)  # a spec: nothing is allocated
+    assert int(state.numel) == 0
+    with pytest.raises(ValueError) as err:
+        p.init(jax.ShapeDtypeStruct((2**16, 2**15), jnp.bfloat16), None)
+    assert str(err.value) == "statistics: adjoint of shape (65536, 32768) has more than 2**31-1 entries"
 
 
 def test_statistics_of_nonfinite_adjoints_keep_their_flags():

@@ -155,6 +155,39 @@ def test_a_schedule_is_read_at_the_pass_context_step(make, want):
     assert pass_.name.endswith("(schedule)")
 
 
+def test_clip_by_norm_follows_a_schedule_through_zero_and_below():
+    """A scheduled bound is read at each step; once it reaches 0 or goes negative the
+    adjoint is zeroed (the bound is taken as max(bound, 0)), not flipped in sign."""
+    schedule = optax.linear_schedule(6.0, -2.0, 4)  # 6, 4, 2, 0, -2, -2
+    clip = P.clip_by_norm(schedule)
+    g = jnp.array([3.0, -4.0])  # norm 5
+    state = clip.init(jax.ShapeDtypeStruct(g.shape, g.dtype), None)
+    update = jax.jit(clip.update)
+    for step in range(6):
+        out, state = update(g, state, P.PassContext(jnp.int32(0), jnp.int32(0), jnp.int32(step), 2))
+        bound = max(float(schedule(step)), 0.0)
+        want = np.asarray(g, np.float64) * (bound / (5.0 + 1e-6) if bound < 5.0 else 1.0)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=0, err_msg=f"step {step}")
+        assert bool(state.clipped) == (bound < 5.0) and float(state.norm) == 5.0
+    assert [float(schedule(t)) for t in range(6)] == [6.0, 4.0, 2.0, 0.0, -2.0, -2.0]
+
+
+def test_a_scheduled_decay_rounds_a_bfloat16_adjoint_once():
+    """The factor 1 - strength(step) in float32, the product rounded once to the adjoint's dtype."""
+    import ml_dtypes
+
+    schedule = optax.linear_schedule(0.0, 0.74, 2)  # 0, 0.37, 0.74
+    decay = P.decay(schedule)
+    g = jnp.asarray(np.random.default_rng(0).standard_normal(64), jnp.bfloat16)
+    update = jax.jit(decay.update)
+    for step in range(3):
+        out, _ = update(g, P.EmptyState(), P.PassContext(jnp.int32(0), jnp.int32(0), jnp.int32(step), 2))
+        factor = np.float32(1.0) - np.float32(schedule(step))
+        want = (np.asarray(g, np.float32) * factor).astype(ml_dtypes.bfloat16)
+        assert out.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(out).astype(np.float32), want.astype(np.float32), err_msg=f"step {step}")
+
+
 def test_schedules_are_checked_at_step_zero():
     with pytest.raises(ValueError, match="gaussian_noise: std schedule at step 0: std must be >= 0.0, got -1.0"):
         P.gaussian_noise(lambda step: -1.0 + step)
@@ -165,6 +198,23 @@ def test_schedules_are_checked_at_step_zero():
     with pytest.raises(ValueError, match="decay: strength must be finite, got inf"):
         P.decay(float("inf"))
     assert P.gaussian_noise(lambda step: 0.0 * step).name == "gaussian_noise(schedule)"  # 0 at step 0 is allowed
+
+
+def test_a_schedule_value_at_step_zero_is_checked_like_a_number():
+    """A real scalar (integer or float) passes; other dtypes, shapes and values out of
+    bounds are refused with the whole message; finite is checked for a schedule too."""
+    assert P.decay(lambda step: 1).name == "decay(schedule)"  # an integer is a real scalar
+    for schedule, got in [(lambda step: 1j, "complex128[]"), (lambda step: True, "bool[]"),
+                          (lambda step: jnp.ones(2), "float32[2]")]:
+        with pytest.raises(TypeError) as err:
+            P.decay(schedule)
+        assert str(err.value) == f"decay: a strength schedule must return a real scalar, got {got} at step 0"
+    with pytest.raises(ValueError) as err:
+        P.decay(lambda step: jnp.inf + 0.0 * step)
+    assert str(err.value) == "decay: strength schedule at step 0: strength must be finite, got inf"
+    # an infinite clipping bound is a number > 0 (no clipping): finite is off by default
+    assert P.clip_by_norm(float("inf")).name == "clip_by_norm(inf)"
+    assert P.clip_by_norm(lambda step: jnp.inf + 0.0 * step).name == "clip_by_norm(schedule)"
 
 
 def test_the_command_line_still_takes_numbers_for_schedulable_hyperparameters():

@@ -122,12 +122,29 @@ def test_int8_and_clip_low_precision_adjoints_match_seed(dtype):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("strength", [0.0, 0.1, 0.37])
+# 2**-25 + 2**-50: 1 - strength rounds to 1 - 2**-24 from float64 (the seed's Python
+# float) but to 1.0 from float32 operands (a tie, to even).
+@pytest.mark.parametrize("strength", [0.0, 0.1, 0.37, 1.0, 1.5, 2**-25 + 2**-50])
 def test_decay_matches_regularizationpass(shape, strength):
     g = _adjoint(shape, 6)
     ours, _ = _run(P.decay(strength), g)
     ref = _seed(seed.RegularizationPass(strength), g).tensor.numpy()
     np.testing.assert_array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("strength", [0.37, 1.0])
+def test_decay_of_a_low_precision_adjoint_matches_regularizationpass(dtype, strength):
+    """torch multiplies a bf16/fp16 tensor by a Python float in float32 and rounds once;
+    a factor rounded to the adjoint's dtype first missed it by an ulp in ~30% of entries."""
+    tdtype = {jnp.bfloat16: torch.bfloat16, jnp.float16: torch.float16}[dtype]
+    g32 = _adjoint((4, 16, 8), 6, scale=1.0)
+    g = jnp.asarray(g32).astype(dtype)
+    ours, _ = _run(P.decay(strength), g)
+    assert ours.dtype == dtype
+    tg = torch.from_numpy(g32).to(tdtype)
+    ref = seed.RegularizationPass(strength)(AdjointState(tensor=tg, layer_id=0)).tensor.float().numpy()
+    np.testing.assert_array_equal(np.asarray(ours).astype(np.float32), ref)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -7,6 +7,8 @@ compared tensor by tensor with numpy arrays, and the writer must give the
 same bytes back. A file with two tensors swapped must fail the comparison.
 """
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -66,7 +68,13 @@ def test_reader_matches_the_format_tensor_by_tensor(tmp_path, version, shared):
             cfg.vocab_size, cfg.block.max_seq_len) == header
     assert cfg.tie_embeddings is shared
     assert model.meta["format"] == f"llama2c_bin_v{version}"
-    assert (cfg.block.rope_style, cfg.block.rope_theta) == ("interleaved", 10000.0)
+    assert (cfg.block.rope_style, cfg.block.rope_theta, cfg.block.norm_eps) == ("interleaved", 10000.0, 1e-5)
+    dim, hidden, layers, heads, kv, vocab, seq = header
+    assert model.meta["model_args"] == {"dim": dim, "n_layers": layers, "n_heads": heads, "n_kv_heads": kv,
+                                        "vocab_size": vocab, "hidden_dim": hidden, "max_seq_len": seq,
+                                        "norm_eps": 1e-5}
+    assert model.meta["source"] == str(path)
+    assert model.meta["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     if version == 0:
         cos, sin = model.meta["rope_tables"]
         np.testing.assert_array_equal(cos, tensors["freq_cis_real"])
@@ -168,3 +176,78 @@ def test_a_version_2_file_is_refused_by_name(tmp_path):
         interop.load_llama2c_bin(str(path))
     assert str(err.value) == (f"{path}: llama2.c version-2 (Q8_0 int8-quantized) .bin files are not supported; "
                               "export version 0 or 1 (float32)")
+
+
+def test_the_bin_loader_names_a_file_of_another_format(tmp_path):
+    import torch
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.ones(1)}, str(path))
+    with pytest.raises(interop.errors.UnknownFormatError) as err:
+        interop.load_llama2c_bin(str(path))
+    assert str(err.value) == f"{path}: not a llama2.c .bin file (detected torch_pickle)"
+
+
+@pytest.mark.parametrize("version", [0, 1])
+def test_writer_stores_float32_whatever_the_dtype_of_params_and_tables(tmp_path, version):
+    """bfloat16 params and float64 RoPE tables are written as the float32 the format holds."""
+    import ml_dtypes
+
+    header, tensors = llama2c_spec_tensors(**SHAPE)
+    tables = ("freq_cis_real", "freq_cis_imag")
+    # the weights rounded to bfloat16 (the oracle writes them back as float32), the tables kept
+    rounded = {k: v if k in tables else v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in tensors.items()}
+    params, cfg = params_from_tensors(header, {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()})
+    out = tmp_path / "bf16.bin"
+    interop.save_llama2c_bin(str(out), params, cfg, version=version,
+                             rope_tables=tuple(tensors[k].astype(np.float64) for k in tables))
+    assert out.read_bytes() == llama2c_bin_bytes(header, rounded, version)
+
+
+@pytest.mark.parametrize("extra", [-4, 4])
+def test_a_version_1_body_of_the_wrong_size_is_named(tmp_path, extra):
+    """The version-1 header passes detect_format on its own; the reader checks the body's size."""
+    header, tensors = llama2c_spec_tensors(**SHAPE)
+    data = llama2c_bin_bytes(header, tensors, 1)
+    path = tmp_path / "v1.bin"
+    path.write_bytes(data[:extra] if extra < 0 else data + b"\0" * extra)
+    with pytest.raises(interop.errors.CorruptCheckpointError) as err:
+        interop.load_llama2c_bin(str(path))
+    kind = "is truncated" if extra < 0 else "has trailing bytes"
+    assert str(err.value) == f"{path}: header says {len(data)} bytes, the file has {len(data) + extra}: it {kind}"
+
+
+def test_reader_converts_to_the_dtype_asked_for(tmp_path):
+    import ml_dtypes
+
+    header, tensors = llama2c_spec_tensors(**SHAPE)
+    path = tmp_path / "m.bin"
+    path.write_bytes(llama2c_bin_bytes(header, tensors, 1))
+    params = interop.load_llama2c_bin(str(path), dtype="bfloat16").params
+    for param_path, name in PARAM_OF.items():
+        assert _get(params, param_path).dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(_get(params, param_path), tensors[name].astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("err", [1e-5, float(np.nextafter(1e-5, 1.0))])
+def test_rope_tables_off_by_the_limit_are_kept_and_beyond_it_refused(tmp_path, monkeypatch, err):
+    """The RoPE check's limit (1e-5) met exactly passes; one float64 ulp beyond it is refused by name.
+
+    No float32 table lands exactly on the limit, so the distance is stood in for."""
+    header, tensors = llama2c_spec_tensors(**SHAPE)
+    path = tmp_path / "m.bin"
+    path.write_bytes(llama2c_bin_bytes(header, tensors, 0))
+    seen = []
+    monkeypatch.setattr(interop.llama2c, "rope_tables_error", lambda cos, sin, head_dim: seen.append(
+        (cos, sin, head_dim)) or err)
+    if err == 1e-5:
+        assert interop.load_llama2c_bin(str(path)).meta["rope_tables_max_abs_diff"] == err
+    else:
+        with pytest.raises(UnsupportedConfigError) as info:
+            interop.load_llama2c_bin(str(path))
+        assert str(info.value) == (f"{path}: its RoPE tables differ from base-10000 tables by up to 1e-05; only "
+                                   "llama2.c's standard RoPE is supported")
+    (cos, sin, head_dim), = seen
+    assert head_dim == SHAPE["dim"] // SHAPE["heads"]
+    np.testing.assert_array_equal(cos, tensors["freq_cis_real"])
+    np.testing.assert_array_equal(sin, tensors["freq_cis_imag"])

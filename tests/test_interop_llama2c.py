@@ -1,10 +1,12 @@
-"""interop.llama2c's ``.bin`` reader and writer against an independent oracle.
+"""interop.llama2c's readers and writer against an independent oracle.
 
 The files are written in the test with ``struct`` in llama2.c's documented
 order (tests/conftest.py `llama2c_bin_bytes`, after export.py and run.c),
 every tensor holding values no other tensor holds; the reader's params are
 compared tensor by tensor with numpy arrays, and the writer must give the
 same bytes back. A file with two tensors swapped must fail the comparison.
+The ``.pt`` reader gets a checkpoint written with ``torch.save`` from the
+same tensors under llama2.c's state-dict names.
 """
 
 import hashlib
@@ -217,18 +219,6 @@ def test_a_version_1_body_of_the_wrong_size_is_named(tmp_path, extra):
     assert str(err.value) == f"{path}: header says {len(data)} bytes, the file has {len(data) + extra}: it {kind}"
 
 
-def test_reader_converts_to_the_dtype_asked_for(tmp_path):
-    import ml_dtypes
-
-    header, tensors = llama2c_spec_tensors(**SHAPE)
-    path = tmp_path / "m.bin"
-    path.write_bytes(llama2c_bin_bytes(header, tensors, 1))
-    params = interop.load_llama2c_bin(str(path), dtype="bfloat16").params
-    for param_path, name in PARAM_OF.items():
-        assert _get(params, param_path).dtype == ml_dtypes.bfloat16, name
-        np.testing.assert_array_equal(_get(params, param_path), tensors[name].astype(ml_dtypes.bfloat16))
-
-
 @pytest.mark.parametrize("err", [1e-5, float(np.nextafter(1e-5, 1.0))])
 def test_rope_tables_off_by_the_limit_are_kept_and_beyond_it_refused(tmp_path, monkeypatch, err):
     """The RoPE check's limit (1e-5) met exactly passes; one float64 ulp beyond it is refused by name.
@@ -251,3 +241,84 @@ def test_rope_tables_off_by_the_limit_are_kept_and_beyond_it_refused(tmp_path, m
     assert head_dim == SHAPE["dim"] // SHAPE["heads"]
     np.testing.assert_array_equal(cos, tensors["freq_cis_real"])
     np.testing.assert_array_equal(sin, tensors["freq_cis_imag"])
+
+
+#: run.c's name -> llama2.c's state-dict name (``{i}``: the layer of a stacked tensor).
+SD_NAME = {"token_embedding_table": "tok_embeddings.weight", "rms_final_weight": "norm.weight",
+           "wcls": "output.weight", "rms_att_weight": "layers.{i}.attention_norm.weight",
+           "rms_ffn_weight": "layers.{i}.ffn_norm.weight", "wq": "layers.{i}.attention.wq.weight",
+           "wk": "layers.{i}.attention.wk.weight", "wv": "layers.{i}.attention.wv.weight",
+           "wo": "layers.{i}.attention.wo.weight", "w1": "layers.{i}.feed_forward.w1.weight",
+           "w2": "layers.{i}.feed_forward.w2.weight", "w3": "layers.{i}.feed_forward.w3.weight"}
+
+
+def llama2c_pt_bytes_to(path, header, tensors, **extra_model_entries):
+    """Write ``tensors`` as llama2.c's train.py saves a checkpoint (``torch.save``, tied head stored twice);
+    returns its ``model_args``."""
+    import torch
+
+    dim, hidden, layers, heads, kv, vocab, seq = header
+    model = {}
+    for name, key in SD_NAME.items():
+        if name in tensors:
+            for i in range(layers if "{i}" in key else 1):
+                model[key.format(i=i)] = torch.from_numpy(tensors[name][i] if "{i}" in key else tensors[name])
+    model.setdefault("output.weight", model["tok_embeddings.weight"])
+    args = {"dim": dim, "n_layers": layers, "n_heads": heads, "n_kv_heads": kv, "vocab_size": vocab,
+            "multiple_of": 32, "norm_eps": 1e-5, "max_seq_len": seq, "dropout": 0.0, "hidden_dim": hidden}
+    torch.save({"model_args": args, "model": {**model, **extra_model_entries}, "iter_num": 3}, str(path))
+    return args
+
+
+@pytest.mark.parametrize("kind", ["pt", "bin"])
+def test_load_llama2c_reads_either_kind_in_the_dtype_asked_for(tmp_path, kind):
+    import ml_dtypes
+
+    header, tensors = llama2c_spec_tensors(**SHAPE)
+    path = tmp_path / f"m.{kind}"
+    if kind == "pt":
+        llama2c_pt_bytes_to(path, header, tensors)
+    else:
+        path.write_bytes(llama2c_bin_bytes(header, tensors, 1))
+    model = interop.load_llama2c(str(path), dtype="bfloat16")
+    assert model.meta["format"] == {"pt": "llama2c_pt", "bin": "llama2c_bin_v1"}[kind]
+    assert model.meta["source"] == str(path) and model.config.tie_embeddings
+    for param_path, name in PARAM_OF.items():
+        assert _get(model.params, param_path).dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(_get(model.params, param_path), tensors[name].astype(ml_dtypes.bfloat16))
+
+
+def test_load_llama2c_names_a_checkpoint_of_another_kind(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(interop.errors.UnknownFormatError) as err:
+        interop.load_llama2c(str(tmp_path))
+    assert str(err.value) == f"{tmp_path}: not a llama2.c checkpoint (detected hf_dir)"
+
+
+def test_pt_reader_unties_on_request_and_names_the_file(tmp_path):
+    header, tensors = llama2c_spec_tensors(**SHAPE)
+    path = tmp_path / "ckpt.pt"
+    args = llama2c_pt_bytes_to(path, header, tensors)
+    model = interop.load_llama2c_pt(str(path), tie_embeddings=False)
+    assert not model.config.tie_embeddings
+    assert mismatches(model.params, {**tensors, "wcls": tensors["token_embedding_table"]}) == []
+    assert model.meta == {"format": "llama2c_pt", "model_args": args, "other_entries": ["iter_num"],
+                          "dtypes": ["float32"], "source": str(path)}
+    llama2c_pt_bytes_to(path, header, tensors, note="not a tensor")
+    with pytest.raises(interop.errors.UnknownFormatError) as err:
+        interop.load_llama2c_pt(str(path))
+    assert str(err.value).startswith(f"{path}: expected a state dict of tensors")
+    del tensors["w2"]
+    llama2c_pt_bytes_to(path, header, tensors)
+    with pytest.raises(interop.errors.CheckpointMismatchError) as err:
+        interop.load_llama2c_pt(str(path))
+    assert str(err.value).startswith(f"{path}:")
+
+
+@pytest.mark.parametrize("ckpt, got", [([1, 2], "list"), (["model_args", "model"], "list"),
+                                       ({"model": {}}, "['model']"), ({"model_args": {}}, "['model_args']")])
+def test_a_checkpoint_without_model_args_and_model_is_named(ckpt, got):
+    with pytest.raises(interop.errors.UnknownFormatError) as err:
+        interop.import_llama2c_checkpoint(ckpt)
+    assert str(err.value) == ("llama2.c checkpoint: a llama2.c checkpoint is a dict with 'model_args' and 'model'; "
+                              f"got {got}")

@@ -277,6 +277,17 @@ def test_bf16_boundaries_recompute_each_block_from_its_rounded_input(storage):
     assert rel_err(gp["w1"], plain_grads("scanned")[1][0]["w1"]) > 1e-4
 
 
+@pytest.mark.parametrize("storage", [OnDevice, GradSlots, Host, HostUnrolled])
+def test_a_boundary_dtype_is_read_when_the_storage_is_made(storage):
+    """Any spelling of a dtype makes the same storage (equal, same hash: one jit cache entry);
+    an unknown name fails where the storage is made, not inside a traced backward."""
+    made = storage("bfloat16")
+    assert made == storage(jnp.bfloat16) and hash(made) == hash(storage(np.dtype(jnp.bfloat16)))
+    assert isinstance(made.dtype, np.dtype) and made.dtype == jnp.dtype(jnp.bfloat16)
+    with pytest.raises(TypeError, match="float7"):
+        storage("float7")
+
+
 # ----------------------------------------------------------------------------- per segment
 def test_one_storage_per_segment():
     case = _case("hetero_int_input")

@@ -252,7 +252,7 @@ SD_NAME = {"token_embedding_table": "tok_embeddings.weight", "rms_final_weight":
            "w2": "layers.{i}.feed_forward.w2.weight", "w3": "layers.{i}.feed_forward.w3.weight"}
 
 
-def llama2c_pt_bytes_to(path, header, tensors, **extra_model_entries):
+def write_llama2c_pt(path, header, tensors, **extra_model_entries):
     """Write ``tensors`` as llama2.c's train.py saves a checkpoint (``torch.save``, tied head stored twice);
     returns its ``model_args``."""
     import torch
@@ -277,7 +277,7 @@ def test_load_llama2c_reads_either_kind_in_the_dtype_asked_for(tmp_path, kind):
     header, tensors = llama2c_spec_tensors(**SHAPE)
     path = tmp_path / f"m.{kind}"
     if kind == "pt":
-        llama2c_pt_bytes_to(path, header, tensors)
+        write_llama2c_pt(path, header, tensors)
     else:
         path.write_bytes(llama2c_bin_bytes(header, tensors, 1))
     model = interop.load_llama2c(str(path), dtype="bfloat16")
@@ -298,21 +298,21 @@ def test_load_llama2c_names_a_checkpoint_of_another_kind(tmp_path):
 def test_pt_reader_unties_on_request_and_names_the_file(tmp_path):
     header, tensors = llama2c_spec_tensors(**SHAPE)
     path = tmp_path / "ckpt.pt"
-    args = llama2c_pt_bytes_to(path, header, tensors)
+    args = write_llama2c_pt(path, header, tensors)
     model = interop.load_llama2c_pt(str(path), tie_embeddings=False)
     assert not model.config.tie_embeddings
     assert mismatches(model.params, {**tensors, "wcls": tensors["token_embedding_table"]}) == []
     assert model.meta == {"format": "llama2c_pt", "model_args": args, "other_entries": ["iter_num"],
                           "dtypes": ["float32"], "source": str(path)}
-    llama2c_pt_bytes_to(path, header, tensors, note="not a tensor")
+    write_llama2c_pt(path, header, tensors, note="not a tensor")
     with pytest.raises(interop.errors.UnknownFormatError) as err:
         interop.load_llama2c_pt(str(path))
     assert str(err.value).startswith(f"{path}: expected a state dict of tensors")
     del tensors["w2"]
-    llama2c_pt_bytes_to(path, header, tensors)
+    write_llama2c_pt(path, header, tensors)
     with pytest.raises(interop.errors.CheckpointMismatchError) as err:
         interop.load_llama2c_pt(str(path))
-    assert str(err.value).startswith(f"{path}:")
+    assert str(err.value).startswith(f"{path}:") and "layers.1.feed_forward.w2.weight" in str(err.value)
 
 
 @pytest.mark.parametrize("ckpt, got", [([1, 2], "list"), (["model_args", "model"], "list"),

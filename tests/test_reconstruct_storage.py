@@ -246,6 +246,23 @@ def test_pass_state_and_stats_equal_a_per_block_reference(storage):
     assert float(stats["calls"]) == 1.0
 
 
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_a_pass_at_one_boundary_acts_there_only(storage):
+    """Zeroing the adjoint at boundary 2 (the input of block 2 of 3) leaves block 2 plain
+    `jax.grad`'s gradients and gives blocks 0 and 1 and the input none: the scan hands each
+    block its own boundary index."""
+    case = _case("scanned")
+    stack = eae_jax.reconstruct(case.blocks, storage=STORAGES[storage], passes=P.at_layers(P.decay(1.0), [2]))
+    carry = stack.init(case.params, case.x)
+    gp, gx = jax.jit(jax.grad(lambda p, x: loss_of(stack(p, x, carry)), argnums=(0, 1), allow_int=True))(
+        case.params, case.x)
+    _, (want, _) = plain_grads("scanned")
+    for name in ("w1", "w2", "s"):
+        np.testing.assert_allclose(np.asarray(gp[name][2]), np.asarray(want[name][2]), rtol=2e-5, atol=1e-7)
+        np.testing.assert_array_equal(np.asarray(gp[name][:2]), 0.0)
+    np.testing.assert_array_equal(np.asarray(gx), 0.0)
+
+
 # ----------------------------------------------------------------------------- bf16 boundaries
 def rounded_boundary_grads(case):
     """Gradients of recomputing each block from its input rounded to bf16

@@ -305,6 +305,20 @@ def test_a_boundary_dtype_is_read_when_the_storage_is_made(storage):
         storage("float7")
 
 
+def test_a_boundary_is_cast_only_when_floating_and_a_dtype_is_given():
+    """No dtype keeps a bf16 boundary bf16 (``astype(None)`` would widen it to float32);
+    int token ids stay ints whatever the storage's dtype."""
+    from eae_jax.reconstruct.storage import cast_boundary
+
+    half = jnp.array([1.5, -2.25], jnp.bfloat16)
+    assert cast_boundary(half, None).dtype == jnp.bfloat16 and OnDevice().put(half).dtype == jnp.bfloat16
+    tokens = jnp.array([3, 0, 9], jnp.int32)
+    for kept in (cast_boundary(tokens, jnp.dtype(jnp.bfloat16)), OnDevice("bfloat16").put(tokens)):
+        assert kept.dtype == jnp.int32 and np.array_equal(np.asarray(kept), [3, 0, 9])
+    x = jnp.array([1.0, 1.0 + 2.0 ** -10], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(cast_boundary(x, jnp.dtype(jnp.bfloat16)), np.float32), [1.0, 1.0])
+
+
 # ----------------------------------------------------------------------------- per segment
 def test_one_storage_per_segment():
     case = _case("hetero_int_input")

@@ -64,6 +64,10 @@ def gated(p, h, gate):
     return mlp(p, h) * gate[:, None]
 
 
+def gated_embed(table, tokens, gate):
+    return embed(table, tokens) * gate[:, None]
+
+
 def _rows(p, i):
     return jax.tree_util.tree_map(lambda a: a[i], p)
 
@@ -109,6 +113,9 @@ def _case(name) -> Case:
                      0.5 * jax.random.normal(k[6], (8, 5))], jnp.array([3, 0, 9], jnp.int32))
     if name == "side":
         return Case(gated, mlp_params(k[1], 3), x, side=jnp.array([0.5, 1.5, 1.0]))
+    if name == "int_input_side":  # the side input reaches a block fed int tokens too
+        return Case([gated_embed, Scan(gated, "body")], [jax.random.normal(k[3], (11, 8)), mlp_params(k[4], 2)],
+                    jnp.array([3, 0, 9], jnp.int32), side=jnp.array([0.5, 1.5, 1.0]))
     raise KeyError(name)
 
 
@@ -132,7 +139,7 @@ def plain_grads(name):
                                       allow_int=True))(case.params, case.x)
 
 
-@pytest.mark.parametrize("case_name", CASES)
+@pytest.mark.parametrize("case_name", CASES + ("int_input_side",))
 @pytest.mark.parametrize("storage", list(STORAGES))
 def test_gradients_equal_plain_grad(storage, case_name):
     case = _case(case_name)

@@ -322,3 +322,44 @@ def test_a_checkpoint_without_model_args_and_model_is_named(ckpt, got):
         interop.import_llama2c_checkpoint(ckpt)
     assert str(err.value) == ("llama2.c checkpoint: a llama2.c checkpoint is a dict with 'model_args' and 'model'; "
                               f"got {got}")
+
+
+def test_model_args_name_every_field_and_refuse_what_llama2c_cannot_express():
+    from eae_jax.blocks import BlockConfig
+    from eae_jax.models import LMConfig
+
+    block = BlockConfig(16, 4, 2, 20, norm_eps=1e-6, max_seq_len=7, rope_style="interleaved")
+    assert interop.llama2c.model_args_from_config(LMConfig(11, 3, block)) == {
+        "dim": 16, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 11, "norm_eps": 1e-6,
+        "max_seq_len": 7, "hidden_dim": 20, "multiple_of": 256, "dropout": 0.0}
+    for style, theta in (("half", 10000.0), ("interleaved", 500000.0)):
+        cfg = LMConfig(11, 3, BlockConfig(16, 4, 2, 20, rope_style=style, rope_theta=theta))
+        with pytest.raises(UnsupportedConfigError) as err:
+            interop.llama2c.model_args_from_config(cfg)
+        assert str(err.value) == ("llama2.c models use interleaved RoPE with base 10000; this model has "
+                                  f"rope_style={style!r}, rope_theta={theta}")
+
+
+@pytest.mark.parametrize("ulps, excess", [(4, 0.0), (6, 2.0)])
+def test_rope_tables_error_allows_four_ulps_of_the_angle(ulps, excess):
+    """Angles 0 and 1 (head_dim 2): at position 1 a float32 angle ulp is 2^-23; a cos off by
+    exactly 4 of them counts nothing, 6 count the 2 beyond (float64 tables, so no rounding)."""
+    cos = np.cos([[0.0], [1.0]]) + np.array([[0.0], [ulps * 2.0 ** -23]])
+    sin = np.sin([[0.0], [1.0]])
+    assert interop.llama2c.rope_tables_error(cos, sin, 2) == pytest.approx(excess * 2.0 ** -23, abs=1e-15)
+
+
+@pytest.mark.parametrize("base, ffn, hidden", [
+    ({"hidden_dim": None, "multiple_of": 32}, 64, None),   # llama2.c's rule gives 64: left to the rule
+    ({"hidden_dim": None, "multiple_of": 32}, 20, 20),     # the rule would not give 20
+    ({"hidden_dim": 100, "multiple_of": 32}, 64, 64),      # a stale number is replaced
+    ({"multiple_of": 32}, 64, 64),                         # no hidden_dim in the base: written
+])
+def test_model_args_keep_a_none_hidden_dim_only_where_the_rule_gives_it(base, ffn, hidden):
+    """llama2.c's rule for dim 16, multiple_of 32: int(2 * 4 * 16 / 3) = 42, rounded up to 64."""
+    from eae_jax.blocks import BlockConfig
+    from eae_jax.models import LMConfig
+
+    cfg = LMConfig(11, 1, BlockConfig(16, 4, 2, ffn, rope_style="interleaved"))
+    args = interop.llama2c.model_args_from_config(cfg, base)
+    assert "hidden_dim" in args and args["hidden_dim"] == hidden and args["multiple_of"] == 32

@@ -354,12 +354,21 @@ def test_rope_tables_error_allows_four_ulps_of_the_angle(ulps, excess):
     ({"hidden_dim": None, "multiple_of": 32}, 20, 20),     # the rule would not give 20
     ({"hidden_dim": 100, "multiple_of": 32}, 64, 64),      # a stale number is replaced
     ({"multiple_of": 32}, 64, 64),                         # no hidden_dim in the base: written
+    ({"hidden_dim": None}, 256, None),                     # multiple_of defaults to 256: the rule gives 256
 ])
 def test_model_args_keep_a_none_hidden_dim_only_where_the_rule_gives_it(base, ffn, hidden):
-    """llama2.c's rule for dim 16, multiple_of 32: int(2 * 4 * 16 / 3) = 42, rounded up to 64."""
+    """llama2.c's rule for dim 16: int(2 * 4 * 16 / 3) = 42, rounded up to a multiple of
+    multiple_of (64 for 32, 256 for 256)."""
     from eae_jax.blocks import BlockConfig
     from eae_jax.models import LMConfig
 
     cfg = LMConfig(11, 1, BlockConfig(16, 4, 2, ffn, rope_style="interleaved"))
     args = interop.llama2c.model_args_from_config(cfg, base)
-    assert "hidden_dim" in args and args["hidden_dim"] == hidden and args["multiple_of"] == 32
+    assert "hidden_dim" in args and args["hidden_dim"] == hidden
+    assert args["multiple_of"] == base.get("multiple_of", 256) and args["dropout"] == 0.0
+
+
+def test_model_args_missing_a_required_field_are_named():
+    with pytest.raises(UnsupportedConfigError) as err:
+        interop.llama2c.lm_config_from_model_args({"n_heads": 2, "dim": 8})
+    assert str(err.value) == "llama2.c model_args lacks ['n_layers', 'vocab_size']; got keys ['dim', 'n_heads']"

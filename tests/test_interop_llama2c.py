@@ -372,3 +372,15 @@ def test_model_args_missing_a_required_field_are_named():
     with pytest.raises(UnsupportedConfigError) as err:
         interop.llama2c.lm_config_from_model_args({"n_heads": 2, "dim": 8})
     assert str(err.value) == "llama2.c model_args lacks ['n_layers', 'vocab_size']; got keys ['dim', 'n_heads']"
+
+
+def test_model_args_defaults_are_llama2c_s():
+    """Fields llama2.c's ModelArgs may leave out take its defaults: multiple_of 256 (hidden 256 for
+    dim 16), as many kv heads as heads, norm_eps 1e-5, max_seq_len 2048."""
+    import jax.numpy as jnp
+
+    args = {"dim": 16, "n_layers": 1, "n_heads": 4, "vocab_size": 11}
+    b = interop.llama2c.lm_config_from_model_args(args, compute_dtype=jnp.bfloat16).block
+    assert (b.ffn_hidden_dim, b.num_kv_heads, b.norm_eps, b.max_seq_len) == (256, 4, 1e-5, 2048)
+    assert (b.rope_style, b.rope_theta, b.compute_dtype) == ("interleaved", 10000.0, jnp.bfloat16)
+    assert interop.llama2c.lm_config_from_model_args({**args, "norm_eps": 1e-6}).block.norm_eps == 1e-6

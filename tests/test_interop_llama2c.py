@@ -375,12 +375,14 @@ def test_model_args_missing_a_required_field_are_named():
 
 
 def test_model_args_defaults_are_llama2c_s():
-    """Fields llama2.c's ModelArgs may leave out take its defaults: multiple_of 256 (hidden 256 for
-    dim 16), as many kv heads as heads, norm_eps 1e-5, max_seq_len 2048."""
+    """A tied head, and llama2.c's defaults for the fields its ModelArgs may leave out: multiple_of
+    256 (hidden 256 for dim 16), as many kv heads as heads, norm_eps 1e-5, max_seq_len 2048."""
     import jax.numpy as jnp
 
     args = {"dim": 16, "n_layers": 1, "n_heads": 4, "vocab_size": 11}
-    b = interop.llama2c.lm_config_from_model_args(args, compute_dtype=jnp.bfloat16).block
+    cfg = interop.llama2c.lm_config_from_model_args(args, compute_dtype=jnp.bfloat16)
+    assert cfg.tie_embeddings is True  # llama2.c's Transformer ties its head; importers untie
+    b = cfg.block
     assert (b.ffn_hidden_dim, b.num_kv_heads, b.norm_eps, b.max_seq_len) == (256, 4, 1e-5, 2048)
     assert (b.rope_style, b.rope_theta, b.compute_dtype) == ("interleaved", 10000.0, jnp.bfloat16)
     assert interop.llama2c.lm_config_from_model_args({**args, "norm_eps": 1e-6}).block.norm_eps == 1e-6

@@ -64,6 +64,10 @@ def gated(p, h, gate):
     return mlp(p, h) * gate[:, None]
 
 
+def gated_embed(table, tokens, gate):
+    return embed(table, tokens) * gate[:, None]
+
+
 def _rows(p, i):
     return jax.tree_util.tree_map(lambda a: a[i], p)
 
@@ -109,6 +113,9 @@ def _case(name) -> Case:
                      0.5 * jax.random.normal(k[6], (8, 5))], jnp.array([3, 0, 9], jnp.int32))
     if name == "side":
         return Case(gated, mlp_params(k[1], 3), x, side=jnp.array([0.5, 1.5, 1.0]))
+    if name == "int_input_side":  # the side input reaches a block fed int tokens too
+        return Case([gated_embed, Scan(gated, "body")], [jax.random.normal(k[3], (11, 8)), mlp_params(k[4], 2)],
+                    jnp.array([3, 0, 9], jnp.int32), side=jnp.array([0.5, 1.5, 1.0]))
     raise KeyError(name)
 
 
@@ -132,7 +139,7 @@ def plain_grads(name):
                                       allow_int=True))(case.params, case.x)
 
 
-@pytest.mark.parametrize("case_name", CASES)
+@pytest.mark.parametrize("case_name", CASES + ("int_input_side",))
 @pytest.mark.parametrize("storage", list(STORAGES))
 def test_gradients_equal_plain_grad(storage, case_name):
     case = _case(case_name)
@@ -246,6 +253,23 @@ def test_pass_state_and_stats_equal_a_per_block_reference(storage):
     assert float(stats["calls"]) == 1.0
 
 
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_a_pass_at_one_boundary_acts_there_only(storage):
+    """Zeroing the adjoint at boundary 2 (the input of block 2 of 3) leaves block 2 plain
+    `jax.grad`'s gradients and gives blocks 0 and 1 and the input none: the scan hands each
+    block its own boundary index."""
+    case = _case("scanned")
+    stack = eae_jax.reconstruct(case.blocks, storage=STORAGES[storage], passes=P.at_layers(P.decay(1.0), [2]))
+    carry = stack.init(case.params, case.x)
+    gp, gx = jax.jit(jax.grad(lambda p, x: loss_of(stack(p, x, carry)), argnums=(0, 1), allow_int=True))(
+        case.params, case.x)
+    _, (want, _) = plain_grads("scanned")
+    for name in ("w1", "w2", "s"):
+        np.testing.assert_allclose(np.asarray(gp[name][2]), np.asarray(want[name][2]), rtol=2e-5, atol=1e-7)
+        np.testing.assert_array_equal(np.asarray(gp[name][:2]), 0.0)
+    np.testing.assert_array_equal(np.asarray(gx), 0.0)
+
+
 # ----------------------------------------------------------------------------- bf16 boundaries
 def rounded_boundary_grads(case):
     """Gradients of recomputing each block from its input rounded to bf16
@@ -275,6 +299,31 @@ def test_bf16_boundaries_recompute_each_block_from_its_rounded_input(storage):
     assert_grads_close([_rows(gp, i) for i in range(3)] + [gx], want + [want_x], rtol=1e-5, atol=1e-6)
     # and the rounding is real: plain autodiff differs
     assert rel_err(gp["w1"], plain_grads("scanned")[1][0]["w1"]) > 1e-4
+
+
+@pytest.mark.parametrize("storage", [OnDevice, GradSlots, Host, HostUnrolled])
+def test_a_boundary_dtype_is_read_when_the_storage_is_made(storage):
+    """Any spelling of a dtype makes the same storage (equal, same hash: one jit cache entry);
+    an unknown name fails where the storage is made, not inside a traced backward."""
+    made = storage("bfloat16")
+    assert made == storage(jnp.bfloat16) and hash(made) == hash(storage(np.dtype(jnp.bfloat16)))
+    assert isinstance(made.dtype, np.dtype) and made.dtype == jnp.dtype(jnp.bfloat16)
+    with pytest.raises(TypeError, match="float7"):
+        storage("float7")
+
+
+def test_a_boundary_is_cast_only_when_floating_and_a_dtype_is_given():
+    """No dtype keeps a bf16 boundary bf16 (``astype(None)`` would widen it to float32);
+    int token ids stay ints whatever the storage's dtype."""
+    from eae_jax.reconstruct.storage import cast_boundary
+
+    half = jnp.array([1.5, -2.25], jnp.bfloat16)
+    assert cast_boundary(half, None).dtype == jnp.bfloat16 and OnDevice().put(half).dtype == jnp.bfloat16
+    tokens = jnp.array([3, 0, 9], jnp.int32)
+    for kept in (cast_boundary(tokens, jnp.dtype(jnp.bfloat16)), OnDevice("bfloat16").put(tokens)):
+        assert kept.dtype == jnp.int32 and np.array_equal(np.asarray(kept), [3, 0, 9])
+    x = jnp.array([1.0, 1.0 + 2.0 ** -10], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(cast_boundary(x, jnp.dtype(jnp.bfloat16)), np.float32), [1.0, 1.0])
 
 
 # ----------------------------------------------------------------------------- per segment

@@ -141,8 +141,8 @@ class OffloadedOptimizer:
     def _get(self, x):
         return offload_lib.to_device(x) if self.kind else x
 
-    def _chunking(self, params) -> List[List[Tuple[int, int]]]:
-        """Per param leaf, its chunks' row ranges (from shapes and state bytes per row)."""
+    def _row_bytes(self, params) -> List[int]:
+        """Per param leaf, the bytes of its state (and master weights) per row."""
         state = jax.eval_shape(self.tx.init, self._master_spec(params))
         leaves = jax.tree_util.tree_leaves(params)
         per_leaf = [0] * len(leaves)
@@ -152,7 +152,12 @@ class OffloadedOptimizer:
         if self.master_dtype is not None:
             for i, l in enumerate(leaves):
                 per_leaf[i] += int(np.prod(l.shape[1:], dtype=np.int64)) * jnp.dtype(self.master_dtype).itemsize
-        return [_bounds(l.shape, b, self.chunk_bytes) for l, b in zip(leaves, per_leaf)]
+        return per_leaf
+
+    def _chunking(self, params, row_bytes: Optional[List[int]] = None) -> List[List[Tuple[int, int]]]:
+        """Per param leaf, its chunks' row ranges (from shapes and state bytes per row)."""
+        row_bytes = self._row_bytes(params) if row_bytes is None else row_bytes
+        return [_bounds(l.shape, b, self.chunk_bytes) for l, b in zip(jax.tree_util.tree_leaves(params), row_bytes)]
 
     def _master_spec(self, params):
         if self.master_dtype is None:
@@ -169,7 +174,8 @@ class OffloadedOptimizer:
         if self.kind is None and self.memory_kind == "auto":
             warnings.warn(f"eae_jax.offload_optim: the {jax.default_backend()} backend has no pinned_host memory "
                           "kind; the optimizer state stays in device memory", stacklevel=2)
-        bounds = self._chunking(params)
+        row_bytes = self._row_bytes(params)
+        bounds = self._chunking(params, row_bytes)
 
         def whole(params):
             master = None
@@ -187,7 +193,7 @@ class OffloadedOptimizer:
             return jax.jit(chunked)(params)
 
         parts = {}
-        for group in self._init_groups(params):
+        for group in self._init_groups(params, row_bytes):
             parts.update(build(group))
         # The state's other leaves (step counts ...), then everything put back in tx's structure.
         rest = jax.jit(lambda p: _map_params_like(whole(p)[1], p, lambda sub: None))(params)
@@ -209,16 +215,12 @@ class OffloadedOptimizer:
                                                   [Chunks(i, parts[i][1]) for i in range(n)])
         return OffloadedState(inner, master)
 
-    def _init_groups(self, params) -> List[List[int]]:
+    def _init_groups(self, params, row_bytes: Optional[List[int]] = None) -> List[List[int]]:
         """Param leaf indices in groups of at most `INIT_GROUP_BYTES` of state (or one leaf)."""
-        state = jax.eval_shape(lambda p: self.tx.init(self._master_spec(p)), params)
-        per_leaf = [0] * len(jax.tree_util.tree_leaves(params))
-        extra = [] if self.master_dtype is None else [self._master_spec(params)]
-        for sub in _params_like(state, params) + extra:
-            for i, l in enumerate(jax.tree_util.tree_leaves(sub)):
-                per_leaf[i] += int(np.prod(l.shape, dtype=np.int64)) * jnp.dtype(l.dtype).itemsize
+        row_bytes = self._row_bytes(params) if row_bytes is None else row_bytes
         groups, size = [], 0
-        for i, b in enumerate(per_leaf):
+        for i, (leaf, b) in enumerate(zip(jax.tree_util.tree_leaves(params), row_bytes)):
+            b *= _rows(leaf.shape)
             if not groups or size + b > INIT_GROUP_BYTES:
                 groups.append([])
                 size = 0

@@ -111,17 +111,20 @@ def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable]
     reserve = runtime_reserve() if reserve == "auto" else int(reserve)
     if reserve < 0:
         raise ValueError(f"reserve must be 'auto' or a byte count >= 0, got {reserve}")
-    plan = dataclasses.replace(make_plan(costs, budget, margin=reserve, **kw), reserve=reserve)
+    def planned(margin):
+        return dataclasses.replace(make_plan(costs, budget, margin=margin, **kw), reserve=reserve)
+
+    margin = reserve
+    plan = planned(margin)
     if not verify:
         return plan
-    margin = reserve
     for _ in range(3):
         peak = step_peak(stack, plan, params, x, side, loss=loss, loss_args=loss_args, in_shardings=shardings)
         peak += plan.optimizer
         if peak + reserve <= plan.budget:
             break
         margin += peak + reserve - plan.budget
-        plan = dataclasses.replace(make_plan(costs, budget, margin=margin, **kw), reserve=reserve)
+        plan = planned(margin)
     return dataclasses.replace(plan, compiled_peak=int(peak))
 
 

@@ -282,26 +282,28 @@ class CheckpointStore:
         None when none reads.
         """
         unreadable = []
-        for _, path in reversed(self.checkpoints()):
+
+        def attempt(path, read):
+            """``(True, read())``, or ``(False, None)`` with the error kept when any process failed to read."""
             try:
-                meta, err = self.read_metadata(path), None
+                value, err = read(), None
             except UnreadableCheckpointError as e:
-                meta, err = None, e
-            if not _agree(err is None):
-                unreadable.append((path, err or UnreadableCheckpointError(f"checkpoint {path} is unreadable on "
-                                                                          "another process")))
+                value, err = None, e
+            if _agree(err is None):
+                return True, value
+            unreadable.append((path, err or UnreadableCheckpointError(f"checkpoint {path} is unreadable on "
+                                                                      "another process")))
+            return False, None
+
+        for _, path in reversed(self.checkpoints()):
+            ok, meta = attempt(path, lambda: self.read_metadata(path))
+            if not ok:
                 continue
             if check is not None:
                 check(path, meta)
-            try:
-                state, err = self.restore_state(path, template, shardings), None
-            except UnreadableCheckpointError as e:
-                state, err = None, e
-            if not _agree(err is None):
-                unreadable.append((path, err or UnreadableCheckpointError(f"checkpoint {path} is unreadable on "
-                                                                          "another process")))
-                continue
-            return path, state, meta, unreadable
+            ok, state = attempt(path, lambda: self.restore_state(path, template, shardings))
+            if ok:
+                return path, state, meta, unreadable
         return None, None, None, unreadable
 
     def set_aside(self, path: str) -> str:

@@ -111,6 +111,14 @@ def _params_and_tokens(spec, model, tokens_sds):
     return params, tokens
 
 
+def _eae_from_states(spec, model, timeout_s: float = 0.0):
+    """``(bound block, fp8 state)`` of our seams as the ref process wrote them."""
+    from eae_jax import fp8
+
+    saved = _load(state_path(spec["workdir"], spec["config"], "eae"), timeout_s)
+    return fp8.BoundBlock(model.block, saved["seams"], saved["state"], {}, fallback=saved["fallback"]), saved["state"]
+
+
 def _timed_compile(fn, args, donate=()):
     import jax
 
@@ -191,7 +199,6 @@ def run_ref_grads(spec) -> dict:
     waits for it: it runs after the timed processes."""
     import jax
     import bench_fp8_programs as bp
-    from eae_jax import fp8
 
     m16, tokens_sds = _model_and_batch(spec)
     m32 = bp.lm_config(spec["preset"], "fp32", spec.get("smoke", False))
@@ -207,9 +214,7 @@ def run_ref_grads(spec) -> dict:
         out["cosines"][name] = {"vs_bf16": bp.grad_agreement(g, g16), "vs_f32": bp.grad_agreement(g, g32),
                                 "loss": float(loss)}
 
-    saved = _load(state_path(spec["workdir"], spec["config"], "eae"))
-    ours = fp8.BoundBlock(m16.block, saved["seams"], saved["state"], {}, fallback=saved["fallback"])
-    state = saved["state"]
+    ours, state = _eae_from_states(spec, m16)
     loss8, g8, gs8 = grads("eae-fp8", m16, "eae", ours, state)
     _, bad = ours.fold_step(state, gs8, notify=False)
     report = ours.report(jax.device_get(ours.fold(state, gs8, notify=False)))
@@ -302,7 +307,6 @@ def run_step(spec) -> dict:
     import jax
     import bench_fp8_programs as bp
     from bench_fp8 import hlo_counts
-    from eae_jax import fp8
     from eae_jax.models.llama import init_lm
 
     variant = spec["variant"]
@@ -312,10 +316,8 @@ def run_step(spec) -> dict:
     opt_sds = jax.eval_shape(tx.init, params_sds)
     bound, state, kind = None, None, {"bf16": "bf16", "flax-fp8": "flax"}.get(variant, "eae")
     if kind == "eae":
-        saved = _load(state_path(spec["workdir"], spec["config"], "eae"), spec.get("state_timeout_s", 0.0))
-        bound = fp8.BoundBlock(m16.block, saved["seams"], saved["state"], {}, fallback=saved["fallback"])
+        bound, state = _eae_from_states(spec, m16, spec.get("state_timeout_s", 0.0))
         bound = bp.unguarded(bound) if variant == "eae-fp8-u" else bound
-        state = saved["state"]
     elif kind == "flax":
         state = _load(state_path(spec["workdir"], spec["config"], "flax"), spec.get("state_timeout_s", 0.0))
     step = bp.train_step(m16, kind, tx, bound)

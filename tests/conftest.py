@@ -222,7 +222,13 @@ def run_worker(mode: str, tmp_path, devices: int = 8, timeout: float = 600, env:
     import json
     import subprocess
 
-    full_env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 8):
+        # XLA:CPU aborts a collective whose devices do not all arrive within 40 s: on two
+        # shared cores under load (pytest -n 2) one device thread can wait that long.
+        flags += (f" --xla_cpu_collective_call_terminate_timeout_seconds={int(timeout)}"
+                  " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120")
+    full_env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
                     PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "parallel_worker.py"), mode, str(tmp_path)],

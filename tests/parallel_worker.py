@@ -285,7 +285,51 @@ def train_run(tmp: str) -> dict:
             "log": [json.loads(line) for line in open(log)] if os.path.exists(log) else []}
 
 
-MODES = {"meshes": meshes, "passes": passes, "fsdp": fsdp, "train": train_run}
+#: ``--memory-budget`` on a mesh that splits the params (FSDP and tensor parallel, 4 devices).
+BUDGET_MESH = "fsdp=2,model=2"
+BUDGET_RUN = dict(preset="tiny", batch=8, seq_len=8, steps=2, warmup=0, log_every=1, plot=False,
+                  tensorboard=False)
+
+
+def budget(tmp: str) -> dict:
+    """``--memory-budget`` on `BUDGET_MESH` at a budget one device cannot meet (below
+    its params, gradients and accumulator): the plan (per device), what one device of
+    the mesh holds of the params, and the run's losses beside the flags' storage."""
+    jax.config.update("jax_disable_most_optimizations", True)
+    from eae_jax.models import init_lm
+    from eae_jax.reconstruct import BudgetError
+
+    cfg = TrainConfig(mesh=BUDGET_MESH, **BUDGET_RUN)
+    shapes = jax.eval_shape(lambda: init_lm(jax.random.key(0), cfg.model()))
+    whole = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(shapes))
+    shardings = RunSharding(cfg, cfg.model(), mesh_for(cfg)).param_shardings(shapes)
+    one_device_shard = sum(int(np.prod(s.shard_shape(leaf.shape))) * leaf.dtype.itemsize for leaf, s in
+                           zip(jax.tree_util.tree_leaves(shapes), jax.tree_util.tree_leaves(shardings)))
+    # Half of what one device needs before any activation (params, f32 gradients, f32 accumulator).
+    budget_bytes = 3 * whole // 2
+    runs = {}
+    for name, extra in (("planned", {"memory_budget": str(budget_bytes)}), ("flags", {})):
+        summary = train(TrainConfig(mesh=BUDGET_MESH, out=os.path.join(tmp, name), **BUDGET_RUN, **extra),
+                        log_fn=quiet)
+        log = [json.loads(line) for line in open(os.path.join(tmp, name, "log.jsonl"))]
+        runs[name] = {"losses": [r["loss"] for r in log if "loss" in r], "plan": summary.get("memory_plan")}
+    try:
+        train(TrainConfig(mesh="data=1", out=os.path.join(tmp, "one"), memory_budget=str(budget_bytes),
+                          **BUDGET_RUN), log_fn=quiet)
+        one_device = "trained"
+    except BudgetError as err:
+        one_device = str(err)
+    try:
+        train(TrainConfig(mesh="stage=2,data=2", out=os.path.join(tmp, "pipe"), memory_budget="1", **BUDGET_RUN),
+              log_fn=quiet)
+        pipeline = "trained"
+    except ValueError as err:
+        pipeline = str(err)
+    return {"whole_params": whole, "shard_params": one_device_shard, "budget": budget_bytes, "runs": runs,
+            "one_device": one_device, "pipeline": pipeline}
+
+
+MODES = {"meshes": meshes, "passes": passes, "fsdp": fsdp, "train": train_run, "budget": budget}
 
 if __name__ == "__main__":
     mode, tmp = sys.argv[1], sys.argv[2]

@@ -132,3 +132,23 @@ def test_a_run_whose_optimizer_state_moves_to_host_memory_trains_and_resumes_lik
     losses = [r["loss"] for r in map(json.loads, open(tmp_path / "host" / "log.jsonl")) if "loss" in r]
     want = [r["loss"] for r in map(json.loads, open(tmp_path / "device" / "log.jsonl")) if "loss" in r]
     np.testing.assert_allclose(losses, want, rtol=1e-6)
+
+
+def test_a_budget_on_an_fsdp_and_tensor_parallel_mesh_is_per_device(tmp_path):
+    # 4 CPU devices in a fresh process (tests/parallel_worker.py `budget`): a budget of half
+    # what one device needs before any activation is planned on fsdp=2 x model=2 and trains.
+    from conftest import run_worker
+
+    got = run_worker("budget", tmp_path, devices=4)
+    whole, shard, budget = got["whole_params"], got["shard_params"], got["budget"]
+    plan = got["runs"]["planned"]["plan"]
+    assert shard < whole and plan["params"] == plan["grads"] == shard  # one device's shards (all float32)
+    assert plan["reserved_for_grad_accumulator"] == shard
+    assert plan["compiled_peak"] + plan["reserved_for_grad_accumulator"] <= budget
+    assert abs(plan["peak"] - plan["compiled_peak"]) <= 0.05 * plan["compiled_peak"]
+    assert plan["optimizer_in_host_memory"]  # AdamW's 2 x params per device do not fit beside the rest
+    blocks = [run for seg in plan["segments"] if seg["name"] == "decoder_block" for _, run in seg["runs"]]
+    assert blocks and "slots" not in blocks  # gradient slots are plain device boundaries on a mesh
+    np.testing.assert_allclose(got["runs"]["planned"]["losses"], got["runs"]["flags"]["losses"], rtol=1e-6)
+    assert f"({budget} < {3 * whole} bytes)" in got["one_device"] and "below the floor" in got["one_device"]
+    assert "not a pipeline" in got["pipeline"] and "stage=2" in got["pipeline"]

@@ -61,7 +61,8 @@ class MemoryBudget:
 def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable] = None, loss_args: Sequence = (),
                 optimizer: Any = None, optimizer_bytes: Optional[int] = None, offload_optimizer: Any = "auto",
                 options: Optional[Sequence[Option]] = None, timing: str = "flops", costs: Optional[Costs] = None,
-                mesh: Any = None, verify: bool = True, reserve: Any = "auto") -> Plan:
+                mesh: Any = None, in_shardings: Optional[Callable] = None, wrap: Optional[Callable] = None,
+                verify: bool = True, reserve: Any = "auto") -> Plan:
     """The fastest storage plan of ``stack`` whose step fits ``budget`` (per device).
 
     Args:
@@ -80,6 +81,13 @@ def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable]
       options, timing: see `measure_costs`; ``costs`` skips measuring.
       mesh: None, or a `jax.sharding.Mesh` whose first axis splits the batch
         (axis 0 of ``x``), params replicated: probes compile for it.
+      in_shardings: instead of ``mesh``, any layout: ``f(param_specs,
+        x_spec) -> in_shardings`` of the step ``(params, x, side,
+        loss_args)`` (params split over FSDP or tensor-parallel axes:
+        every byte counted is then one device's).
+      wrap: ``wrap(storages) -> storages`` the stack runs with (e.g. each
+        wrapped in `eae_jax.parallel.Sharded`); probes and the verifying
+        compile run those, the plan keeps the unwrapped ones.
       verify: compile the planned step once; when it needs more than the
         budget, plan again leaving that much unused (up to three times).
       reserve: bytes of the budget left free for what the runtime allocates
@@ -103,10 +111,12 @@ def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable]
         raise ValueError("give optimizer or optimizer_bytes, not both")
     if optimizer is not None:
         optimizer_bytes = nbytes(jax.eval_shape(optimizer.init, jax.eval_shape(lambda p: p, params)))
-    shardings = None if mesh is None else _data_parallel(mesh)
+    if mesh is not None and in_shardings is not None:
+        raise ValueError("give mesh (data parallel) or in_shardings, not both")
+    shardings = in_shardings if mesh is None else _data_parallel(mesh)
     if costs is None:
         costs = measure_costs(stack, params, x, side, loss=loss, loss_args=loss_args, options=options, timing=timing,
-                              in_shardings=shardings)
+                              in_shardings=shardings, wrap=wrap)
     kw = dict(options=options, optimizer_bytes=optimizer_bytes or 0, offload_optimizer=offload_optimizer)
     reserve = runtime_reserve() if reserve == "auto" else int(reserve)
     if reserve < 0:
@@ -119,7 +129,8 @@ def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable]
     if not verify:
         return plan
     for _ in range(3):
-        peak = step_peak(stack, plan, params, x, side, loss=loss, loss_args=loss_args, in_shardings=shardings)
+        peak = step_peak(stack, plan, params, x, side, loss=loss, loss_args=loss_args, in_shardings=shardings,
+                         wrap=wrap)
         peak += plan.optimizer
         if peak + reserve <= plan.budget:
             break
@@ -172,9 +183,10 @@ def planned_for(stack, plans: dict, params, x, side=None) -> Plan:
 
 
 def step_peak(stack, plan: Plan, params, x, side=None, *, loss: Optional[Callable] = None, loss_args: Sequence = (),
-              in_shardings: Optional[Callable] = None) -> int:
+              in_shardings: Optional[Callable] = None, wrap: Optional[Callable] = None) -> int:
     """The compiled peak (`compiled_peak`) of ``stack``'s gradient step under
-    ``plan``'s storages, at full depth, with ``loss`` (default the output's sum).
+    ``plan``'s storages (through ``wrap`` when given, as in `plan_memory`), at
+    full depth, with ``loss`` (default the output's sum).
 
     >>> import jax.numpy as jnp
     >>> from eae_jax.reconstruct import reconstruct
@@ -185,7 +197,8 @@ def step_peak(stack, plan: Plan, params, x, side=None, *, loss: Optional[Callabl
     """
     from eae_jax.reconstruct.stack import Reconstructed
 
-    planned = Reconstructed(stack.segments, stack.passes, plan.storages, stack.collect_stats, stack._single,
+    storages = plan.storages if wrap is None else list(wrap(list(plan.storages)))
+    planned = Reconstructed(stack.segments, stack.passes, storages, stack.collect_stats, stack._single,
                             stack.block_state)
     loss = loss or default_loss
 

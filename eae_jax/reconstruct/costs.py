@@ -128,7 +128,8 @@ class Costs:
 
     ``base_peak`` / ``base_seconds``: the reference probe (every option at
     the reference, scanned segments at ``PROBE_DEPTH`` blocks). ``params``,
-    ``grads``: bytes of the full-depth params and their float gradients.
+    ``grads``: one device's bytes of the full-depth params and their float
+    gradients.
     Serializable (`to_json` / `from_json`) so one measurement serves many
     budgets.
 
@@ -210,6 +211,30 @@ def float_bytes(tree) -> int:
     """
     return sum(nbytes(l) for l in jax.tree_util.tree_leaves(tree)
                if not jax.dtypes.issubdtype(l.dtype, jax.dtypes.prng_key) and jnp.issubdtype(l.dtype, jnp.inexact))
+
+
+def shard_bytes(tree, shardings, floats_only: bool = False) -> int:
+    """One device's bytes of ``tree``'s leaves laid out by ``shardings`` (a
+    tree of `jax.sharding.Sharding` matching ``tree``, or one for every
+    leaf); ``floats_only`` counts the floating leaves alone (their gradients).
+
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    >>> shard_bytes({"w": jnp.ones((4, 2))}, NamedSharding(mesh, PartitionSpec("fsdp")))
+    32
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if isinstance(shardings, jax.sharding.Sharding):
+        per_leaf = [shardings] * len(leaves)
+    else:
+        per_leaf = treedef.flatten_up_to(shardings)
+    total = 0
+    for leaf, sharding in zip(leaves, per_leaf):
+        if floats_only and not float_bytes(leaf):
+            continue
+        shape = tuple(leaf.shape) if sharding is None else tuple(sharding.shard_shape(tuple(leaf.shape)))
+        total += nbytes(jax.ShapeDtypeStruct(shape, leaf.dtype))
+    return total
 
 
 def compiled_peak(compiled) -> int:
@@ -312,9 +337,10 @@ class _Prober:
     """Compiles (and with ``profile`` times) the stack's gradient step at
     reduced depths, one storage per segment."""
 
-    def __init__(self, stack, layouts, params, x, side, loss, loss_args, timing, flops_per_s, in_shardings):
+    def __init__(self, stack, layouts, params, x, side, loss, loss_args, timing, flops_per_s, in_shardings, wrap):
         self.stack, self.layouts, self.side, self.timing = stack, layouts, side, timing
         self.loss, self.loss_args, self.flops_per_s, self.in_shardings = loss, loss_args, flops_per_s, in_shardings
+        self.wrap = wrap
         self.plist = stack._param_list(jax.eval_shape(lambda p: p, params))
         self.x = jax.eval_shape(lambda a: a, x)
         self.side_spec = None if side is None else jax.eval_shape(lambda s: s, side)
@@ -329,7 +355,8 @@ class _Prober:
         """``(peak bytes, seconds)`` of the probe with these storages and depths."""
         from eae_jax.reconstruct.stack import Reconstructed
 
-        probe = Reconstructed(self.stack.segments, self.stack.passes, list(storages), self.stack.collect_stats,
+        storages = list(storages) if self.wrap is None else list(self.wrap(list(storages)))
+        probe = Reconstructed(self.stack.segments, self.stack.passes, storages, self.stack.collect_stats,
                               self.stack._single, self.stack.block_state)
         loss = self.loss
 
@@ -357,6 +384,25 @@ class _Prober:
                 times.append(time.perf_counter() - t0)
         return peak, float(np.median(times))
 
+    def device_bytes(self, depths: Sequence[int], floats_only: bool = False) -> List[int]:
+        """Per segment, one device's bytes of its params (or of their float
+        gradients) at these depths: the shards under ``in_shardings``."""
+        p_spec = self.params_at(depths)
+        plist = [p_spec] if self.stack._single else p_spec
+        if self.in_shardings is None:
+            count = float_bytes if floats_only else nbytes
+            return [count(p) for p in plist]
+        shardings = self.in_shardings(p_spec, self.x)[0]
+        slist = [shardings] if self.stack._single else shardings
+        return [shard_bytes(p, s, floats_only) for p, s in zip(plist, slist)]
+
+    def x_share(self) -> float:
+        """The fraction of the stack's input one device holds (1 without ``in_shardings``)."""
+        whole = nbytes(self.x)
+        if self.in_shardings is None or not whole:
+            return 1.0
+        return shard_bytes(self.x, self.in_shardings(self.params_at([1] * len(self.layouts)), self.x)[1]) / whole
+
 
 def _distinct_options(layout: SegmentLayout, options: Sequence[Option]) -> List[Option]:
     """The options that differ in this segment: the first of those bound to
@@ -383,7 +429,8 @@ def measure_costs(stack, params, x, side=None, *, loss: Optional[Callable] = Non
                   options: Optional[Sequence[Option]] = None, timing: str = "flops",
                   flops_per_s: Optional[float] = None, host_bytes_per_s: Optional[float] = None,
                   reference: str = "device", in_shardings: Optional[Callable] = None,
-                  block_options: Optional[Sequence[str]] = ("device", "host")) -> Costs:
+                  block_options: Optional[Sequence[str]] = ("device", "host"),
+                  wrap: Optional[Callable] = None) -> Costs:
     """Measure what each option costs each segment of ``stack`` (see the module doc).
 
     Args:
@@ -399,11 +446,15 @@ def measure_costs(stack, params, x, side=None, *, loss: Optional[Callable] = Non
         (default: `device_rates`).
       reference: the option the probes are relative to (``'device'``).
       in_shardings: ``f(param_specs, x_spec) -> in_shardings`` for the
-        probes' ``jit`` under a mesh: the peaks are then per device.
+        probes' ``jit`` under a mesh: the peaks, and the params' and
+        gradients' bytes, are then one device's.
       block_options: the option names a single (unscanned) block may take
         (default: its boundary on the device or in host memory; None: all).
         Each costs one probe: an embedding or an LM head rarely gains from
         keeping its internals.
+      wrap: ``wrap(storages) -> storages`` the stack runs with a plan's
+        storages (one per segment), e.g. each wrapped in
+        `eae_jax.parallel.Sharded` on an FSDP mesh; the probes run those.
 
     Returns:
       `Costs`.
@@ -427,13 +478,17 @@ def measure_costs(stack, params, x, side=None, *, loss: Optional[Callable] = Non
     host_bytes_per_s = host_bytes_per_s or default_host
     *layouts, _ = stack._layouts(params, x, side)
     prober = _Prober(stack, layouts, params, x, side, loss or default_loss, loss_args, timing, flops_per_s,
-                     in_shardings)
+                     in_shardings, wrap)
     ref = by_name[reference].storage
     base_depths = [PROBE_DEPTH if lay.segment.scanned else 1 for lay in layouts]
     base_peak, base_s = prober.run([ref] * len(layouts), base_depths)
+    # One device's share: of each segment's params and gradients, and of a boundary (split like x).
+    full_depths = [lay.depth for lay in layouts]
+    params_dev, grads_dev = prober.device_bytes(full_depths), prober.device_bytes(full_depths, floats_only=True)
+    x_share = prober.x_share()
     segments = []
     for s, lay in enumerate(layouts):
-        block_bytes = nbytes(lay.params) + float_bytes(lay.params)
+        block_bytes = (params_dev[s] + grads_dev[s]) // lay.depth
         costs: Dict[str, OptionCost] = {}
         ref_slope = ref_slope_s = None
         candidates = [by_name[reference]] + [o for o in options if o.name != reference and (
@@ -459,20 +514,18 @@ def measure_costs(stack, params, x, side=None, *, loss: Optional[Callable] = Non
                 # A single block is in the base probe already: what an option
                 # changes there is all it costs (relative to the reference,
                 # which keeps the block's input).
-                slope, slope_s, transient = p1 - base_peak + block_bytes + nbytes(lay.x), t1 - base_s, 0
+                slope, slope_s, transient = p1 - base_peak + block_bytes + int(nbytes(lay.x) * x_share), t1 - base_s, 0
             bound = opt.storage.bind(lay)
             host = 0
             if bound.kind == "host":
-                host = nbytes(jax.ShapeDtypeStruct(lay.x.shape, getattr(bound, "dtype", None) or lay.x.dtype))
+                host = int(nbytes(jax.ShapeDtypeStruct(lay.x.shape, getattr(bound, "dtype", None) or lay.x.dtype))
+                           * x_share)
             if timing == "flops" and host:
                 slope_s += 2 * host / host_bytes_per_s  # to the host and back, not overlapped
             costs[opt.name] = OptionCost(int(slope), int(slope - block_bytes), int(transient), float(slope_s),
                                          int(host))
         segments.append(SegmentCosts(lay.segment.name, lay.depth, lay.segment.scanned, costs))
-    plist = prober.plist
-    full_params = sum(nbytes(p) for p in plist)
-    full_grads = sum(float_bytes(p) for p in plist)
-    return Costs(segments, reference, int(base_peak), float(base_s), int(full_params), int(full_grads), timing,
+    return Costs(segments, reference, int(base_peak), float(base_s), int(sum(params_dev)), int(sum(grads_dev)), timing,
                  jax.default_backend(), {o.name: (o.where, o.what) for o in options})
 
 

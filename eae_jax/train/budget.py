@@ -13,7 +13,7 @@ the plan moved it there.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ import optax
 
 from eae_jax.offload_optim import OffloadedOptimizer, host_memory_kind, offload_optimizer
 from eae_jax.reconstruct import Plan, parse_budget, plan_memory
-from eae_jax.reconstruct.costs import float_bytes, nbytes
+from eae_jax.reconstruct.costs import Option, float_bytes, nbytes, shard_bytes
 from eae_jax.reconstruct.planner import BudgetError, fmt_bytes
 
 
@@ -76,9 +76,32 @@ class RunPlan(NamedTuple):
                 "optimizer_in_host_memory": self.offloaded}
 
 
+class MeshPlanning(NamedTuple):
+    """How `plan_run` measures a run laid over a mesh (`RunSharding.planning`):
+    every byte it counts is then one device's.
+
+    Attributes:
+      in_shardings: ``f(segment param specs, token spec) -> in_shardings`` of
+        a probe step ``(params, tokens, side, (targets,))``.
+      wrap: ``wrap(storages) -> storages``: the storages the run's stack
+        gives its segments on the mesh (`eae_jax.parallel.Sharded`).
+      param_shardings: the `NamedSharding` of every param (the params' tree):
+        the gradient accumulator's and the optimizer state's layout.
+      options: the storage options that differ on this mesh.
+
+    >>> MeshPlanning(None, None, None, ()).options
+    ()
+    """
+
+    in_shardings: Callable
+    wrap: Callable
+    param_shardings: Any
+    options: Sequence[Option]
+
+
 def plan_run(budget: Union[int, float], stack, seg_params, micro_batch: int, seq_len: int, tx, params,
-             accum_dtype, *, make_stack: Callable, host_tx: Callable, mesh=None, loss: Callable,
-             log_fn: Callable = print, costs=None) -> RunPlan:
+             accum_dtype, *, make_stack: Callable, host_tx: Callable, mesh: Optional[MeshPlanning] = None,
+             loss: Callable, log_fn: Callable = print, costs=None) -> RunPlan:
     """Plan ``stack``'s storages and the optimizer placement under ``budget``.
 
     Args:
@@ -90,7 +113,8 @@ def plan_run(budget: Union[int, float], stack, seg_params, micro_batch: int, seq
       make_stack: ``make_stack(storages) -> stack``, the planned stack.
       host_tx: ``host_tx() -> OffloadedOptimizer``, the optimizer with its
         state in host memory, used when the plan moves it there.
-      mesh: the data mesh (the budget is per device), None for one device.
+      mesh: how the run lies over its mesh (`MeshPlanning`: the budget is
+        per device), None for one device.
       loss: ``loss(logits, targets)``.
       costs: measured `eae_jax.reconstruct.Costs` of this step (None: measured here).
 
@@ -107,20 +131,32 @@ def plan_run(budget: Union[int, float], stack, seg_params, micro_batch: int, seq
     >>> run.plan.compiled_peak <= run.plan.budget, run.offloaded
     (True, False)
     """
-    reserved = nbytes(jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, accum_dtype), params))
-    opt_bytes = nbytes(jax.eval_shape(tx.init, jax.eval_shape(lambda p: p, params)))
+    accumulator = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, accum_dtype), params)
+    opt_state = jax.eval_shape(tx.init, jax.eval_shape(lambda p: p, params))
+    tokens = jax.ShapeDtypeStruct((micro_batch, seq_len), jnp.int32)
+    if mesh is None:
+        reserved, opt_bytes = nbytes(accumulator), nbytes(opt_state)
+        seg_held = nbytes(seg_params) + float_bytes(seg_params)
+    else:
+        from eae_jax.parallel.lm import opt_state_shardings
+
+        any_mesh = jax.tree_util.tree_leaves(mesh.param_shardings)[0].mesh
+        reserved = shard_bytes(accumulator, mesh.param_shardings)
+        opt_bytes = shard_bytes(opt_state, opt_state_shardings(tx, opt_state, mesh.param_shardings, any_mesh))
+        seg_shardings = mesh.in_shardings(seg_params, tokens)[0]
+        seg_held = shard_bytes(seg_params, seg_shardings) + shard_bytes(seg_params, seg_shardings, floats_only=True)
     if isinstance(budget, int):
         # Before any probe compiles: what every plan holds whatever it keeps.
-        held = nbytes(seg_params) + float_bytes(seg_params) + reserved
+        held = seg_held + reserved
         if budget < held:
             raise BudgetError(f"memory budget {fmt_bytes(budget)} is below the floor, which is at least "
                               f"{fmt_bytes(held)} ({budget} < {held} bytes): parameters, their gradients and the "
                               f"gradient accumulator, before any activation (optimizer state "
                               f"{fmt_bytes(opt_bytes)} more unless it moves to host memory)")
         budget -= reserved
-    tokens = jax.ShapeDtypeStruct((micro_batch, seq_len), jnp.int32)
+    sharded = {} if mesh is None else dict(in_shardings=mesh.in_shardings, wrap=mesh.wrap, options=mesh.options)
     plan = plan_memory(stack, seg_params, tokens, budget, loss=loss, loss_args=(tokens,), optimizer_bytes=opt_bytes,
-                       mesh=mesh if mesh is not None and mesh.size > 1 else None, costs=costs)
+                       costs=costs, **sharded)
     lines = [f"memory plan (per device; {fmt_bytes(reserved)} of the budget set aside for the gradient "
              "accumulator):", *plan.table().splitlines()]
     run_tx = tx
@@ -147,4 +183,4 @@ def host_adamw(schedule: optax.Schedule, weight_decay: float, grad_clip: Optiona
     return offload_optimizer(optax.adamw(schedule, weight_decay=weight_decay), grad_clip=grad_clip or None)
 
 
-__all__ = ["RunPlan", "host_adamw", "parse_memory_budget", "plan_run"]
+__all__ = ["MeshPlanning", "RunPlan", "host_adamw", "parse_memory_budget", "plan_run"]

@@ -23,7 +23,7 @@ from eae_jax.parallel.lm import lm_logical_axes, lm_param_shardings, opt_state_s
 from eae_jax.parallel.mesh import format_mesh, make_mesh, mesh_size
 from eae_jax.parallel.pipeline import bubble_fraction
 from eae_jax.parallel.pipeline_lm import PipelinedLM, interleave_microbatches
-from eae_jax.parallel.rules import tree_specs
+from eae_jax.parallel.rules import tree_shardings, tree_specs
 from eae_jax.parallel.storage import Sharded, storage_for_mesh
 from eae_jax.reconstruct import storage_from_flags
 
@@ -120,8 +120,7 @@ class RunSharding:
 
     def tokens_sharding(self) -> NamedSharding:
         """Of a step's token block ``(microbatches, micro_batch, seq + 1)`` (see `arrange_tokens`)."""
-        axes = self.batch_axes
-        return NamedSharding(self.mesh, PartitionSpec(None, (axes[0] if len(axes) == 1 else axes) or None, None))
+        return NamedSharding(self.mesh, PartitionSpec(None, *self._batch_spec(), None))
 
     def arrange_tokens(self, tokens):
         """A step's ``(batch, seq + 1)`` tokens as the step takes them: split into
@@ -140,10 +139,48 @@ class RunSharding:
             return PipelinedLM(self.model, self.mesh, self.microbatches, block_fn=block_fn, passes=passes,
                                boundary_dtype=cfg.boundary_dtype, policy=cfg.policy, offload=cfg.offload)
         flags = storage_from_flags(cfg.policy, cfg.offload, cfg.boundary_dtype)
-        embed, inner, head = (flags, flags, flags) if storage is None else storage
-        specs = self.block_specs()
-        axes = self.batch_axes
-        blocks = Sharded(inner, self.mesh, {"params": specs, "fp8": None} if fp8 else specs, gather=("fsdp",),
-                         x_spec=PartitionSpec((axes[0] if len(axes) == 1 else axes) or None))
         return lm_stack(self.model, block_fn=block_fn, passes=passes,
-                        storage=[storage_for_mesh(embed, self.mesh), blocks, storage_for_mesh(head, self.mesh)])
+                        storage=self.wrap_storages([flags] * 3 if storage is None else storage, fp8))
+
+    def wrap_storages(self, storages, fp8: bool = False) -> list:
+        """The storages of the embedding, the blocks and the head as the stack
+        runs them on this mesh: the blocks' in `Sharded` (their params gathered
+        over ``fsdp`` when they run, boundaries in the batch layout), each one
+        as `storage_for_mesh` has it."""
+        embed, inner, head = storages
+        specs = self.block_specs()
+        blocks = Sharded(inner, self.mesh, {"params": specs, "fp8": None} if fp8 else specs, gather=("fsdp",),
+                         x_spec=self._batch_spec())
+        return [storage_for_mesh(embed, self.mesh), blocks, storage_for_mesh(head, self.mesh)]
+
+    def _batch_spec(self) -> PartitionSpec:
+        axes = self.batch_axes
+        return PartitionSpec((axes[0] if len(axes) == 1 else axes) or None)
+
+    def planning(self, params, fp8: bool = False):
+        """How `eae_jax.train.budget.plan_run` measures this run's step
+        (`MeshPlanning`): probes jitted with the run's param and batch
+        layouts, the blocks' storages wrapped as the stack wraps them, and
+        gradient slots left out where the mesh makes them plain device
+        boundaries (`storage_for_mesh`)."""
+        from eae_jax.reconstruct import default_options
+        from eae_jax.train.budget import MeshPlanning
+
+        if self.pipelined:
+            raise ValueError(f"--memory-budget plans a stack of blocks, not a pipeline: mesh "
+                             f"{format_mesh(self.sizes)} has stage > 1 (drop --memory-budget or the stage axis)")
+        logical = lm_logical_axes(self.model, self.mesh)
+        head_table = logical["embed"] if self.model.tie_embeddings else logical["lm_head"]
+        seg_logical = [logical["embed"], logical["blocks"], {"final_norm": logical["final_norm"], "table": head_table}]
+        rep, batch = self.replicated(), NamedSharding(self.mesh, self._batch_spec())
+
+        def in_shardings(seg_specs, x_spec):
+            embed, blocks, head = seg_specs
+            shards = tree_shardings(seg_logical, [embed, blocks["params"] if fp8 else blocks, head], self.mesh)
+            if fp8:
+                shards[1] = {"params": shards[1], "fp8": jax.tree_util.tree_map(lambda _: rep, blocks["fp8"])}
+            return shards, batch, None, (batch,)
+
+        options = tuple(o for o in default_options() if storage_for_mesh(o.storage, self.mesh) is o.storage)
+        return MeshPlanning(in_shardings, lambda storages: self.wrap_storages(storages, fp8),
+                            self.param_shardings(params), options)

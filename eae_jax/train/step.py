@@ -19,7 +19,6 @@ import optax
 
 from eae_jax.dtypes import parse_compute_dtype
 from eae_jax.models.llama import cross_entropy, init_lm, lm_stack, split_params
-from eae_jax.parallel.mesh import format_mesh
 from eae_jax.offload_optim import OffloadedOptimizer
 from eae_jax.train.config import TrainConfig, parse_passes
 from eae_jax.train.data import TokenFile, make_batches
@@ -316,21 +315,17 @@ def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional
 
 
 def _plan_memory(cfg: TrainConfig, model, bound, params, tx, sharding: Optional[RunSharding], log_fn):
-    """The `RunPlan` of a ``--memory-budget`` run: per device, on a one-device or data-parallel mesh."""
+    """The `RunPlan` of a ``--memory-budget`` run, per device (on a mesh: the run's layout)."""
     from eae_jax.train.budget import host_adamw, parse_memory_budget, plan_run
 
-    mesh = None if sharding is None else sharding.mesh
-    if sharding is not None and (sharding.pipelined or any(n > 1 for a, n in sharding.sizes.items() if a != "data")):
-        raise ValueError(f"--memory-budget plans the step of one device or of a data-parallel mesh; mesh "
-                         f"{format_mesh(sharding.sizes)} splits the params (fsdp, model or stage): drop one of them")
     micro = cfg.batch // cfg.microbatches
-    per_device = micro // (mesh.size if mesh is not None else 1)
+    planning = None if sharding is None else sharding.planning(params, fp8=bound is not None)
     return plan_run(parse_memory_budget(cfg.memory_budget), make_stack(cfg, model, bound),
                     segment_params(params, None if bound is None else bound.state, model), micro, cfg.seq_len,
                     tx, params, parse_compute_dtype(cfg.grad_accum_dtype),
                     make_stack=lambda storages: make_stack(cfg, model, bound, None, storages),
                     host_tx=lambda: host_adamw(lr_schedule(cfg), cfg.weight_decay, cfg.grad_clip),
-                    mesh=mesh if per_device else None, loss=cross_entropy, log_fn=log_fn)
+                    mesh=planning, loss=cross_entropy, log_fn=log_fn)
 
 
 def make_stack(cfg: TrainConfig, model, bound_fp8=None, sharding: Optional[RunSharding] = None, storage=None):

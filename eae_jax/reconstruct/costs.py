@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -490,7 +490,7 @@ def measure_costs(stack, params, x, side=None, *, loss: Optional[Callable] = Non
     for s, lay in enumerate(layouts):
         block_bytes = (params_dev[s] + grads_dev[s]) // lay.depth
         costs: Dict[str, OptionCost] = {}
-        ref_slope = ref_slope_s = None
+        ref_slope = None
         candidates = [by_name[reference]] + [o for o in options if o.name != reference and (
             lay.segment.scanned or block_options is None or o.name in block_options)]
         for opt in _distinct_options(lay, candidates):
@@ -507,7 +507,7 @@ def measure_costs(stack, params, x, side=None, *, loss: Optional[Callable] = Non
                 span = deeper[s] - PROBE_DEPTH
                 slope, slope_s = (p3 - p2) // span, (t3 - t2) / span
                 if opt.name == reference:
-                    ref_slope, ref_slope_s = slope, slope_s
+                    ref_slope = slope
                 transient = (p2 - PROBE_DEPTH * slope) - (base_peak - PROBE_DEPTH * ref_slope)
             else:
                 p1, t1 = (base_peak, base_s) if opt.name == reference else prober.run(stores, base_depths)

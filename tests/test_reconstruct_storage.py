@@ -569,3 +569,37 @@ def test_block_state_is_not_differentiated_and_a_block_must_return_a_pair():
     np.testing.assert_allclose(np.asarray(g), [[2.0] * 3, [2.0] * 3])
     with pytest.raises(TypeError, match=r"block 'scale' must return \(y, new_state\)"):
         eae_jax.reconstruct(Scan(lambda w, x: x * w, "scale"), block_state=True)(w, x)
+
+
+@pytest.mark.parametrize("storage", list(STORAGES))
+@pytest.mark.parametrize("scanned", [False, True])
+def test_an_integer_to_integer_block_gets_zero_gradients_like_plain_autodiff(storage, scanned):
+    # Tokens to tokens (a float and an int param), then an embedding and a float stack:
+    # no adjoint reaches the first block, so its float param's gradient is zero (as
+    # jax.grad of the plain composition has it) and its int param's is float0.
+    def remap(p, t):
+        return (t * p["mul"] + p["shift"].astype(jnp.int32)) % 7
+
+    first = eae_jax.Scan(remap) if scanned else remap
+    stack = eae_jax.reconstruct([first, lambda tab, t: tab[t], eae_jax.Scan(lambda w, h: jnp.tanh(h @ w))],
+                                storage=STORAGES[storage])
+    lead = (2,) if scanned else ()
+    p0 = {"mul": jnp.full(lead, 3, jnp.int32), "shift": jnp.full(lead, 1.5)}
+    params = [p0, jax.random.normal(jax.random.key(0), (7, 4)), 0.3 * jax.random.normal(jax.random.key(1), (2, 4, 4))]
+    toks = jnp.arange(6).reshape(2, 3)
+
+    def plain(ps):
+        t = toks
+        for i in range(2 if scanned else 1):
+            t = remap(jax.tree_util.tree_map(lambda a: a[i], ps[0]) if scanned else ps[0], t)
+        h = ps[1][t]
+        for w in ps[2]:
+            h = jnp.tanh(h @ w)
+        return h.sum()
+
+    got = jax.grad(lambda ps: stack(ps, toks).sum(), allow_int=True)(params)
+    want = jax.grad(plain, allow_int=True)(params)
+    assert got[0]["mul"].dtype == jax.dtypes.float0 and got[0]["mul"].shape == lead
+    np.testing.assert_array_equal(got[0]["shift"], np.zeros(lead, np.float32))
+    chex.assert_trees_all_close(got[1:], want[1:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stack(params, toks).sum(), plain(params), rtol=1e-6)

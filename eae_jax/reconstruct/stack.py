@@ -18,7 +18,7 @@ from eae_jax.reconstruct.host import Host, HostUnrolled
 from eae_jax.reconstruct.policy import Policy, resolve_policy
 from eae_jax.reconstruct.slots import GradSlots
 from eae_jax.reconstruct.state import as_prng_key, check_carry, init_carry
-from eae_jax.reconstruct.storage import OnDevice, Segment, SegmentLayout, Storage
+from eae_jax.reconstruct.storage import OnDevice, Segment, SegmentLayout, Storage, zero_grads
 
 #: How an offloaded scanned run is scheduled (see `reconstruct`'s ``offload``).
 OFFLOAD_SCHEDULES = ("scan", "unrolled")
@@ -320,14 +320,15 @@ class Reconstructed:
         tree = carry_lib.decode(carry)
         seg_states = list(tree["state"]["segments"])
         at = AtBoundary(self.passes, tree["step"], num, self.collect_stats)
-        count = len(layouts)
-        norms_in, norms_out, grads = [None] * count, [None] * count, [None] * count
+        norms_in, norms_out, grads = ([None] * len(layouts) for _ in range(3))
 
         g, top, top_in, top_out = at.tied(g, tree["state"]["top"], num - 1)
-        for s in reversed(range(count)):
+        for s in reversed(range(len(layouts))):
             lay, store, p, res = layouts[s], stores[s], plist[s], saved[s]
             with jax.named_scope(f"backward.{lay.segment.name}"):  # see _forward
-                if lay.segment.scanned:
+                if g is None:  # an integer output (tokens to tokens): no adjoint reaches this segment
+                    gp, st, nin, nout = zero_grads(p), seg_states[s], *[jnp.zeros((lay.depth,), jnp.float32)] * 2
+                elif lay.segment.scanned:
                     g_new, (gp, st, nin, nout) = store.backward(lay, p, res, g, seg_states[s], at, side)
                     g = g_new if lay.float_in else None
                 else:

@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eae_jax.reconstruct.adjoint import AtBoundary
 
@@ -166,6 +167,16 @@ class Storage:
 
         idx = layout.first + jnp.arange(layout.depth, dtype=jnp.int32)
         return jax.lax.scan(body, g, (params, residuals, states, idx), reverse=True)
+
+
+def zero_grads(params):
+    """Zero gradients of ``params``: float zeros, and float0 (no data) for an int or key leaf.
+
+    >>> [g.dtype for g in zero_grads([jnp.ones(2), jnp.arange(2)])]
+    [dtype('float32'), dtype([('float0', 'V')])]
+    """
+    return jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, p.dtype) if jnp.issubdtype(p.dtype, jnp.inexact)
+                                  else np.zeros(p.shape, jax.dtypes.float0), params)
 
 
 def cast_boundary(x: jax.Array, dtype) -> jax.Array:

@@ -24,7 +24,7 @@ import eae_jax
 from eae_jax.blocks import BlockConfig
 from eae_jax.models import LMConfig, cross_entropy, init_lm, lm_apply, lm_stack, merge_grads, split_params
 from eae_jax.passes import clip_by_norm
-from eae_jax.reconstruct import (BudgetError, Costs, MemoryBudget, OnDevice, Runs, default_options, make_plan,
+from eae_jax.reconstruct import (BudgetError, Costs, MemoryBudget, OnDevice, Policy, Runs, default_options, make_plan,
                                  measure_costs, parse_budget, plan_memory, runtime_reserve)
 from eae_jax.reconstruct.budget import step_peak
 from eae_jax.reconstruct.costs import compiled_peak, jaxpr_flops, probe_depth
@@ -243,3 +243,24 @@ def test_probe_flops_count_every_iteration_of_a_scan():
     flops = jaxpr_flops(jax.make_jaxpr(scanned)(jnp.ones((5, 8, 8)), jnp.ones((4, 8))).jaxpr)
     assert flops == 5 * 2 * 4 * 8 * 8
     assert [probe_depth(d) for d in (1, 3, 8, 9)] == [3, 3, 8, 8]
+
+
+def test_probes_run_the_wrapped_storages_and_count_one_devices_shards():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x @ w))
+    params, x = jnp.ones((4, 8, 8)), jnp.ones((2, 8))
+    # a stack that runs plain autodiff where the plan says "device": the probes measure that
+    wrap = lambda stores: [Policy("everything") if isinstance(s, OnDevice) else s for s in stores]  # noqa: E731
+    plain, wrapped = measure_costs(stack, params, x), measure_costs(stack, params, x, wrap=wrap)
+    assert plain.segments[0].options["device"].kept_per_block == 2 * 8 * 4
+    got, want = wrapped.segments[0].options["device"], plain.segments[0].options["everything"]
+    assert (got.bytes_per_block, got.kept_per_block) == (want.bytes_per_block, want.kept_per_block)
+    assert wrapped.segments[0].options["device"].kept_per_block > 2 * 8 * 4
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    rep = NamedSharding(mesh, PartitionSpec())
+    shardings = lambda p, xs: (rep, NamedSharding(mesh, PartitionSpec("data")), None, ())  # noqa: E731
+    sharded = measure_costs(stack, params, x, in_shardings=shardings)
+    assert (sharded.params, sharded.grads) == (plain.params, plain.grads) == (4 * 64 * 4, 4 * 64 * 4)
+    with pytest.raises(ValueError, match="give mesh \\(data parallel\\) or in_shardings, not both"):
+        plan_memory(stack, params, x, "1MiB", mesh=mesh, in_shardings=shardings)

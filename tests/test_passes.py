@@ -116,12 +116,15 @@ def test_fp8_zero_adjoint_stays_zero_with_unit_scale():
         assert float(state.scale) == 1.0
 
 
-def test_fp8_delayed_scaling_follows_numpy_reference():
-    """Delayed scaling: scale from the max of the previous calls' amaxes, history rolled."""
-    fmt, hist_len = "e4m3", 3
-    p = P.fp8_quant(fmt, "delayed", history_len=hist_len)
+@pytest.mark.parametrize("hist_len,margin", [(3, 0), (1, 1)])
+def test_fp8_delayed_scaling_follows_numpy_reference(hist_len, margin):
+    """Delayed scaling: scale from the max of the previous calls' amaxes, history rolled;
+    a history of one (the smallest allowed) and a margin too. Once the history holds no
+    amax (a zero adjoint after it expired) the state keeps the scale the call used."""
+    fmt = "e4m3"
+    p = P.fp8_quant(fmt, "delayed", history_len=hist_len, margin=margin)
     rng = np.random.default_rng(3)
-    mags = [1.0, 0.01, 5.0, 0.2, 0.2, 0.2, 0.2]  # a jump (saturates) and a fall (history expires)
+    mags = [1.0, 0.01, 5.0, 0.2, 0.2, 0.2, 0.2, 0.0]  # a jump (saturates), a fall (history expires), zero
     g0 = np.zeros((4, 8), np.float32)
     state = _init(p, g0)
     np.testing.assert_array_equal(np.asarray(state.amax_history), np.zeros(hist_len))
@@ -131,19 +134,36 @@ def test_fp8_delayed_scaling_follows_numpy_reference():
     for mag in mags:
         g = (rng.standard_normal((4, 8)) * mag).astype(np.float32)
         amax = np.float32(np.abs(g).max())
-        used = _amax_scale(history.max() if history.max() > 0 else amax, fmt)
+        used = _amax_scale(history.max() if history.max() > 0 else amax, fmt, margin)
         ref = _fp8_ref(g, used, fmt)
         history = np.roll(history, 1)
         history[0] = amax
         out, state = update(jnp.asarray(g), state)
         np.testing.assert_array_equal(np.asarray(out), ref)
         np.testing.assert_array_equal(np.asarray(state.amax_history), history)
-        assert float(state.scale) == _amax_scale(history.max(), fmt)
+        assert float(state.scale) == (_amax_scale(history.max(), fmt, margin) if history.max() > 0 else used)
         saturated |= bool(np.any(np.abs(g / used) > 448.0))
         if np.any(np.abs(g / used) > 448.0):  # clipped to the fp8 range, not NaN
             assert np.all(np.isfinite(np.asarray(out)))
             np.testing.assert_allclose(np.abs(np.asarray(out)).max(), 448.0 * used, rtol=1e-6)
     assert saturated
+
+
+def test_fp8_current_scaling_takes_each_calls_own_amax():
+    """Current scaling keeps no memory: a small adjoint after a large one is scaled by its
+    own amax (delayed scaling would use the large one), and a non-finite amax is recorded."""
+    p = P.fp8_quant("e4m3", "current")
+    rng = np.random.default_rng(5)
+    state = _init(p, np.zeros(16, np.float32))
+    for mag in (5.0, 0.01):
+        g = (rng.standard_normal(16) * mag).astype(np.float32)
+        out, state = _call(p, g, state)
+        s = _amax_scale(np.abs(g).max(), "e4m3")
+        np.testing.assert_array_equal(np.asarray(out), _fp8_ref(g, s, "e4m3"))
+        assert float(state.scale) == s and np.asarray(state.amax_history).tolist() == [np.abs(g).max()]
+    g[0] = np.inf
+    _, state = _call(p, g, state)
+    assert float(state.scale) == 1.0 and np.asarray(state.amax_history).tolist() == [np.inf]
 
 
 def test_fp8_delayed_ignores_nonfinite_amax():
@@ -159,13 +179,18 @@ def test_fp8_delayed_ignores_nonfinite_amax():
     assert np.isfinite(np.asarray(out)[1:]).all()
 
 
-@pytest.mark.parametrize("kwargs,err", [
-    (dict(format="e3m4"), ValueError), (dict(scaling="late"), ValueError), (dict(history_len=0), ValueError),
-    (dict(margin=-1), ValueError), (dict(history_len=2.5), TypeError),
+@pytest.mark.parametrize("kwargs,err,msg", [
+    (dict(format="e3m4"), ValueError, "fp8 format must be one of ['e4m3', 'e5m2'], got 'e3m4'"),
+    (dict(scaling="late"), ValueError, "fp8_quant: scaling must be one of ['current', 'delayed'], got 'late'"),
+    (dict(history_len=0), ValueError, "fp8_quant: history_len must be >= 1, got 0"),
+    (dict(margin=-1), ValueError, "fp8_quant: margin must be >= 0, got -1"),
+    (dict(history_len=2.5), TypeError, "fp8_quant: history_len must be a Python int, got 2.5"),
+    (dict(margin=True), TypeError, "fp8_quant: margin must be a Python int, got True"),
 ])
-def test_fp8_bad_arguments(kwargs, err):
-    with pytest.raises(err, match="fp8"):
+def test_fp8_bad_arguments(kwargs, err, msg):
+    with pytest.raises(err) as info:  # the whole message: the pass, the argument and the bound
         P.fp8_quant(**kwargs)
+    assert str(info.value) == msg
 
 
 # ----------------------------------------------------------------------------- cast round trip
@@ -819,6 +844,9 @@ _INIT_STATES = {
     "capture": (P.capture, P.CaptureState(np.zeros(3, _BF16_3))),
     "clip_by_norm(1)": (lambda: P.clip_by_norm(1.0), P.ClipState(np.float32(0.0), np.bool_(False))),
     "int8_fake_quant": (P.int8_fake_quant, P.Int8State(np.float32(0.0))),
+    "fp8_quant(e4m3, current)": (lambda: P.fp8_quant("e4m3"), P.Fp8State(np.float32(0.0), np.zeros(1, np.float32))),
+    "fp8_quant(e5m2, delayed)": (lambda: P.fp8_quant("e5m2", "delayed", history_len=3),
+                                 P.Fp8State(np.float32(0.0), np.zeros(3, np.float32))),
     "nonfinite_guard(zero)": (P.nonfinite_guard, P.GuardState(np.int32(0), np.int32(0))),
     "statistics": (P.statistics, P.StatsState(*[np.float32(0.0)] * 5, np.int32(0), np.bool_(False), np.bool_(False))),
     "topk_compress(0.5, ef)": (lambda: P.topk_compress(0.5), P.TopKState(np.zeros(3, np.float32), np.int32(0))),

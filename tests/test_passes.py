@@ -600,20 +600,87 @@ def test_synthetic_gradient_learns_in_train_step():
 def test_synthetic_gradient_predictor_params_validation():
     good = P.init_predictor(jax.random.key(0), 12, 4)
     p = P.synthetic_gradient(4, predictor_params=good)
-    state = p.init(jax.ShapeDtypeStruct((3, 12), jnp.float32), jax.random.key(1))
+    spec = jax.ShapeDtypeStruct((3, 12), jnp.float32)
+    state = p.init(spec, jax.random.key(1))
     assert _trees_bitequal(state.params, good)
-    with pytest.raises(ValueError, match="predictor_params shapes"):
+    # bfloat16 params are widened to the documented float32, value for value
+    bf16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), good)
+    widened = P.synthetic_gradient(4, predictor_params=bf16).init(spec, None).params
+    assert _trees_bitequal(widened, jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), bf16))
+    want = "{'fc1': {'w': (4, %d), 'b': (4,)}, 'fc2': {'w': (%d, 4), 'b': (%d,)}}"
+    with pytest.raises(ValueError) as err:
         p.init(jax.ShapeDtypeStruct((3, 10), jnp.float32), jax.random.key(1))
-    with pytest.raises(ValueError, match="predictor_params must be"):
-        P.synthetic_gradient(4, predictor_params={"w": 1}).init(jax.ShapeDtypeStruct((3, 12), jnp.float32), None)
-    for bad in [dict(hidden_dim=0), dict(lr=-1.0), dict(warmup_steps=-1)]:
-        with pytest.raises(ValueError):
+    assert str(err.value) == (f"synthetic_gradient: predictor_params shapes {want % (12, 12, 12)} do not match "
+                              f"the adjoint's predictor {want % (10, 10, 10)}")
+    with pytest.raises(ValueError) as err:
+        P.synthetic_gradient(4, predictor_params={"w": 1}).init(spec, None)
+    assert str(err.value) == f"synthetic_gradient: predictor_params must be {want % (12, 12, 12)} (shapes), got {{'w': 1}}"
+    with pytest.raises(TypeError) as err:
+        p.init(jax.ShapeDtypeStruct((3, 12), jnp.int32), jax.random.key(1))
+    assert str(err.value) == "synthetic_gradient: adjoints are floating arrays; got dtype int32"
+    with pytest.raises(TypeError) as err:
+        P.synthetic_gradient(4).init(spec, None)
+    assert str(err.value) == "synthetic_gradient: init needs a PRNG key to draw the predictor (or give predictor_params)"
+    for bad, msg in [(dict(hidden_dim=0), "hidden_dim must be >= 1, got 0"), (dict(lr=-1.0), "lr must be >= 0.0, got -1.0"),
+                     (dict(warmup_steps=-1), "warmup_steps must be >= 0, got -1"),
+                     (dict(hidden_dim=2.0), "hidden_dim must be a Python int, got 2.0"),
+                     (dict(warmup_steps=1.0), "warmup_steps must be a Python int, got 1.0"),
+                     (dict(lr="1"), "lr must be a Python number, got '1'")]:
+        with pytest.raises((ValueError, TypeError)) as err:
             P.synthetic_gradient(**bad)
-    with pytest.raises(TypeError, match="use_synthetic"):
+        assert str(err.value) == "synthetic_gradient: " + msg
+    with pytest.raises(TypeError) as err:
         P.synthetic_gradient(use_synthetic=1)
-    # torch's default nn.Linear init bounds
-    w = np.asarray(good["fc1"]["w"])
-    assert np.abs(w).max() <= 1 / math.sqrt(12) and np.abs(w).max() > 0.8 / math.sqrt(12)
+    assert str(err.value) == "synthetic_gradient: use_synthetic must be a bool, got 1"
+    # the bounds met exactly are accepted
+    edge = P.synthetic_gradient(hidden_dim=1, lr=0.0, warmup_steps=0)
+    assert edge.name == "synthetic_gradient"
+    assert edge.init(spec, jax.random.key(0)).params["fc1"]["w"].shape == (1, 12)
+
+
+@pytest.mark.parametrize("kwargs,msg", [(dict(feature_dim=0, hidden_dim=4), "feature_dim must be >= 1, got 0"),
+                                        (dict(feature_dim=4, hidden_dim=0), "hidden_dim must be >= 1, got 0")])
+def test_init_predictor_bad_sizes_are_named_in_full(kwargs, msg):
+    with pytest.raises(ValueError) as err:
+        P.init_predictor(jax.random.key(0), **kwargs)
+    assert str(err.value) == "init_predictor: " + msg
+
+
+def test_init_predictor_draws_every_tensor_from_torchs_linear_bounds():
+    """``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` per tensor (fc1's fan_in is F, fc2's is H): every
+    draw inside, both ends nearly reached, no two equal; sizes of 1 are accepted."""
+    feature, hidden = 40, 30
+    params = P.init_predictor(jax.random.key(3), feature, hidden)
+    for layer, fan_in in (("fc1", feature), ("fc2", hidden)):
+        bound = 1.0 / math.sqrt(fan_in)
+        for leaf in ("w", "b"):
+            v = np.asarray(params[layer][leaf], np.float64)
+            assert params[layer][leaf].dtype == jnp.float32
+            assert np.abs(v).max() <= bound and v.min() < -0.8 * bound and v.max() > 0.8 * bound, (layer, leaf)
+            assert len(np.unique(v)) == v.size
+    tiny = P.init_predictor(jax.random.key(3), 1, 1)
+    assert [tiny[l][p].shape for l in ("fc1", "fc2") for p in ("w", "b")] == [(1, 1), (1,), (1, 1), (1,)]
+
+
+def test_synthetic_gradient_defaults_train_64_wide_at_lr_1e3_and_keep_the_adjoint():
+    """The defaults: H = 64, Adam at lr 1e-3 (its first step moves each weight by lr times the
+    gradient's sign, to 1e-6), warmup 0 and the adjoint kept; with use_synthetic the first
+    call already replaces it (count 1 > warmup 0)."""
+    g = jnp.asarray(np.random.default_rng(8).standard_normal((2, 3)), jnp.float32)
+    p = P.synthetic_gradient()
+    state0 = _init(p, g)
+    assert state0.params["fc1"]["w"].shape == (64, 3)
+    out, state1 = _call(p, g, state0)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(g))
+    grads = jax.grad(lambda q: jnp.mean(jnp.square(P.predictor_apply(q, g) - g)))(state0.params)
+    for a, b, d in zip(jax.tree_util.tree_leaves(state0.params), jax.tree_util.tree_leaves(state1.params),
+                       jax.tree_util.tree_leaves(grads)):
+        step = np.asarray(b, np.float64) - np.asarray(a, np.float64)
+        moved = np.abs(np.asarray(d)) > 1e-4  # |grad| >> Adam's eps: the step is lr * sign(grad)
+        np.testing.assert_allclose(step[moved], -1e-3 * np.sign(np.asarray(d)[moved]), rtol=0, atol=1e-6)
+    syn = P.synthetic_gradient(use_synthetic=True)
+    out, state1 = _call(syn, g, _init(syn, g))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(P.predictor_apply(state1.params, g)), rtol=1e-6)
 
 
 def test_nonfinite_guard_in_train_step_counts_and_protects():

@@ -670,7 +670,10 @@ def test_synthetic_gradient_defaults_train_64_wide_at_lr_1e3_and_keep_the_adjoin
     p = P.synthetic_gradient()
     state0 = _init(p, g)
     assert state0.params["fc1"]["w"].shape == (64, 3)
+    for got, want in ((state0.count, np.int32(0)), (state0.loss, np.float32(0.0))):  # the documented carry
+        assert np.asarray(got).dtype == want.dtype and np.asarray(got).shape == () and got == want
     out, state1 = _call(p, g, state0)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state1, state0)  # a scan's carry in and out
     np.testing.assert_array_equal(np.asarray(out), np.asarray(g))
     grads = jax.grad(lambda q: jnp.mean(jnp.square(P.predictor_apply(q, g) - g)))(state0.params)
     for a, b, d in zip(jax.tree_util.tree_leaves(state0.params), jax.tree_util.tree_leaves(state1.params),

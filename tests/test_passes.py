@@ -684,6 +684,11 @@ def test_synthetic_gradient_defaults_train_64_wide_at_lr_1e3_and_keep_the_adjoin
     syn = P.synthetic_gradient(use_synthetic=True)
     out, state1 = _call(syn, g, _init(syn, g))
     np.testing.assert_allclose(np.asarray(out), np.asarray(P.predictor_apply(state1.params, g)), rtol=1e-6)
+    half = g.astype(jnp.bfloat16)  # the replacement keeps a bfloat16 adjoint's dtype
+    out, state1 = _call(syn, half, _init(syn, half))
+    assert out.dtype == jnp.bfloat16
+    want = P.predictor_apply(state1.params, half.astype(jnp.float32)).astype(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=2**-7)
 
 
 def test_nonfinite_guard_in_train_step_counts_and_protects():

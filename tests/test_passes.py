@@ -116,12 +116,15 @@ def test_fp8_zero_adjoint_stays_zero_with_unit_scale():
         assert float(state.scale) == 1.0
 
 
-def test_fp8_delayed_scaling_follows_numpy_reference():
-    """Delayed scaling: scale from the max of the previous calls' amaxes, history rolled."""
-    fmt, hist_len = "e4m3", 3
-    p = P.fp8_quant(fmt, "delayed", history_len=hist_len)
+@pytest.mark.parametrize("hist_len,margin", [(3, 0), (1, 1)])
+def test_fp8_delayed_scaling_follows_numpy_reference(hist_len, margin):
+    """Delayed scaling: scale from the max of the previous calls' amaxes, history rolled;
+    a history of one (the smallest allowed) and a margin too. Once the history holds no
+    amax (a zero adjoint after it expired) the state keeps the scale the call used."""
+    fmt = "e4m3"
+    p = P.fp8_quant(fmt, "delayed", history_len=hist_len, margin=margin)
     rng = np.random.default_rng(3)
-    mags = [1.0, 0.01, 5.0, 0.2, 0.2, 0.2, 0.2]  # a jump (saturates) and a fall (history expires)
+    mags = [1.0, 0.01, 5.0, 0.2, 0.2, 0.2, 0.2, 0.0]  # a jump (saturates), a fall (history expires), zero
     g0 = np.zeros((4, 8), np.float32)
     state = _init(p, g0)
     np.testing.assert_array_equal(np.asarray(state.amax_history), np.zeros(hist_len))
@@ -131,19 +134,36 @@ def test_fp8_delayed_scaling_follows_numpy_reference():
     for mag in mags:
         g = (rng.standard_normal((4, 8)) * mag).astype(np.float32)
         amax = np.float32(np.abs(g).max())
-        used = _amax_scale(history.max() if history.max() > 0 else amax, fmt)
+        used = _amax_scale(history.max() if history.max() > 0 else amax, fmt, margin)
         ref = _fp8_ref(g, used, fmt)
         history = np.roll(history, 1)
         history[0] = amax
         out, state = update(jnp.asarray(g), state)
         np.testing.assert_array_equal(np.asarray(out), ref)
         np.testing.assert_array_equal(np.asarray(state.amax_history), history)
-        assert float(state.scale) == _amax_scale(history.max(), fmt)
+        assert float(state.scale) == (_amax_scale(history.max(), fmt, margin) if history.max() > 0 else used)
         saturated |= bool(np.any(np.abs(g / used) > 448.0))
         if np.any(np.abs(g / used) > 448.0):  # clipped to the fp8 range, not NaN
             assert np.all(np.isfinite(np.asarray(out)))
             np.testing.assert_allclose(np.abs(np.asarray(out)).max(), 448.0 * used, rtol=1e-6)
     assert saturated
+
+
+def test_fp8_current_scaling_takes_each_calls_own_amax():
+    """Current scaling keeps no memory: a small adjoint after a large one is scaled by its
+    own amax (delayed scaling would use the large one), and a non-finite amax is recorded."""
+    p = P.fp8_quant("e4m3", "current")
+    rng = np.random.default_rng(5)
+    state = _init(p, np.zeros(16, np.float32))
+    for mag in (5.0, 0.01):
+        g = (rng.standard_normal(16) * mag).astype(np.float32)
+        out, state = _call(p, g, state)
+        s = _amax_scale(np.abs(g).max(), "e4m3")
+        np.testing.assert_array_equal(np.asarray(out), _fp8_ref(g, s, "e4m3"))
+        assert float(state.scale) == s and np.asarray(state.amax_history).tolist() == [np.abs(g).max()]
+    g[0] = np.inf
+    _, state = _call(p, g, state)
+    assert float(state.scale) == 1.0 and np.asarray(state.amax_history).tolist() == [np.inf]
 
 
 def test_fp8_delayed_ignores_nonfinite_amax():
@@ -159,13 +179,18 @@ def test_fp8_delayed_ignores_nonfinite_amax():
     assert np.isfinite(np.asarray(out)[1:]).all()
 
 
-@pytest.mark.parametrize("kwargs,err", [
-    (dict(format="e3m4"), ValueError), (dict(scaling="late"), ValueError), (dict(history_len=0), ValueError),
-    (dict(margin=-1), ValueError), (dict(history_len=2.5), TypeError),
+@pytest.mark.parametrize("kwargs,err,msg", [
+    (dict(format="e3m4"), ValueError, "fp8 format must be one of ['e4m3', 'e5m2'], got 'e3m4'"),
+    (dict(scaling="late"), ValueError, "fp8_quant: scaling must be one of ['current', 'delayed'], got 'late'"),
+    (dict(history_len=0), ValueError, "fp8_quant: history_len must be >= 1, got 0"),
+    (dict(margin=-1), ValueError, "fp8_quant: margin must be >= 0, got -1"),
+    (dict(history_len=2.5), TypeError, "fp8_quant: history_len must be a Python int, got 2.5"),
+    (dict(margin=True), TypeError, "fp8_quant: margin must be a Python int, got True"),
 ])
-def test_fp8_bad_arguments(kwargs, err):
-    with pytest.raises(err, match="fp8"):
+def test_fp8_bad_arguments(kwargs, err, msg):
+    with pytest.raises(err) as info:  # the whole message: the pass, the argument and the bound
         P.fp8_quant(**kwargs)
+    assert str(info.value) == msg
 
 
 # ----------------------------------------------------------------------------- cast round trip
@@ -575,20 +600,95 @@ def test_synthetic_gradient_learns_in_train_step():
 def test_synthetic_gradient_predictor_params_validation():
     good = P.init_predictor(jax.random.key(0), 12, 4)
     p = P.synthetic_gradient(4, predictor_params=good)
-    state = p.init(jax.ShapeDtypeStruct((3, 12), jnp.float32), jax.random.key(1))
+    spec = jax.ShapeDtypeStruct((3, 12), jnp.float32)
+    state = p.init(spec, jax.random.key(1))
     assert _trees_bitequal(state.params, good)
-    with pytest.raises(ValueError, match="predictor_params shapes"):
+    # bfloat16 params are widened to the documented float32, value for value
+    bf16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), good)
+    widened = P.synthetic_gradient(4, predictor_params=bf16).init(spec, None).params
+    assert _trees_bitequal(widened, jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), bf16))
+    want = "{'fc1': {'w': (4, %d), 'b': (4,)}, 'fc2': {'w': (%d, 4), 'b': (%d,)}}"
+    with pytest.raises(ValueError) as err:
         p.init(jax.ShapeDtypeStruct((3, 10), jnp.float32), jax.random.key(1))
-    with pytest.raises(ValueError, match="predictor_params must be"):
-        P.synthetic_gradient(4, predictor_params={"w": 1}).init(jax.ShapeDtypeStruct((3, 12), jnp.float32), None)
-    for bad in [dict(hidden_dim=0), dict(lr=-1.0), dict(warmup_steps=-1)]:
-        with pytest.raises(ValueError):
+    assert str(err.value) == (f"synthetic_gradient: predictor_params shapes {want % (12, 12, 12)} do not match "
+                              f"the adjoint's predictor {want % (10, 10, 10)}")
+    with pytest.raises(ValueError) as err:
+        P.synthetic_gradient(4, predictor_params={"w": 1}).init(spec, None)
+    assert str(err.value) == f"synthetic_gradient: predictor_params must be {want % (12, 12, 12)} (shapes), got {{'w': 1}}"
+    with pytest.raises(TypeError) as err:
+        p.init(jax.ShapeDtypeStruct((3, 12), jnp.int32), jax.random.key(1))
+    assert str(err.value) == "synthetic_gradient: adjoints are floating arrays; got dtype int32"
+    with pytest.raises(TypeError) as err:
+        P.synthetic_gradient(4).init(spec, None)
+    assert str(err.value) == "synthetic_gradient: init needs a PRNG key to draw the predictor (or give predictor_params)"
+    for bad, msg in [(dict(hidden_dim=0), "hidden_dim must be >= 1, got 0"), (dict(lr=-1.0), "lr must be >= 0.0, got -1.0"),
+                     (dict(warmup_steps=-1), "warmup_steps must be >= 0, got -1"),
+                     (dict(hidden_dim=2.0), "hidden_dim must be a Python int, got 2.0"),
+                     (dict(warmup_steps=1.0), "warmup_steps must be a Python int, got 1.0"),
+                     (dict(lr="1"), "lr must be a Python number, got '1'")]:
+        with pytest.raises((ValueError, TypeError)) as err:
             P.synthetic_gradient(**bad)
-    with pytest.raises(TypeError, match="use_synthetic"):
+        assert str(err.value) == "synthetic_gradient: " + msg
+    with pytest.raises(TypeError) as err:
         P.synthetic_gradient(use_synthetic=1)
-    # torch's default nn.Linear init bounds
-    w = np.asarray(good["fc1"]["w"])
-    assert np.abs(w).max() <= 1 / math.sqrt(12) and np.abs(w).max() > 0.8 / math.sqrt(12)
+    assert str(err.value) == "synthetic_gradient: use_synthetic must be a bool, got 1"
+    # the bounds met exactly are accepted
+    edge = P.synthetic_gradient(hidden_dim=1, lr=0.0, warmup_steps=0)
+    assert edge.name == "synthetic_gradient"
+    assert edge.init(spec, jax.random.key(0)).params["fc1"]["w"].shape == (1, 12)
+
+
+@pytest.mark.parametrize("kwargs,msg", [(dict(feature_dim=0, hidden_dim=4), "feature_dim must be >= 1, got 0"),
+                                        (dict(feature_dim=4, hidden_dim=0), "hidden_dim must be >= 1, got 0")])
+def test_init_predictor_bad_sizes_are_named_in_full(kwargs, msg):
+    with pytest.raises(ValueError) as err:
+        P.init_predictor(jax.random.key(0), **kwargs)
+    assert str(err.value) == "init_predictor: " + msg
+
+
+def test_init_predictor_draws_every_tensor_from_torchs_linear_bounds():
+    """``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` per tensor (fc1's fan_in is F, fc2's is H): every
+    draw inside, both ends nearly reached, no two equal; sizes of 1 are accepted."""
+    feature, hidden = 40, 30
+    params = P.init_predictor(jax.random.key(3), feature, hidden)
+    for layer, fan_in in (("fc1", feature), ("fc2", hidden)):
+        bound = 1.0 / math.sqrt(fan_in)
+        for leaf in ("w", "b"):
+            v = np.asarray(params[layer][leaf], np.float64)
+            assert params[layer][leaf].dtype == jnp.float32
+            assert np.abs(v).max() <= bound and v.min() < -0.8 * bound and v.max() > 0.8 * bound, (layer, leaf)
+            assert len(np.unique(v)) == v.size
+    tiny = P.init_predictor(jax.random.key(3), 1, 1)
+    assert [tiny[l][p].shape for l in ("fc1", "fc2") for p in ("w", "b")] == [(1, 1), (1,), (1, 1), (1,)]
+
+
+def test_synthetic_gradient_defaults_train_64_wide_at_lr_1e3_and_keep_the_adjoint():
+    """The defaults: H = 64, Adam at lr 1e-3 (its first step moves each weight by lr times the
+    gradient's sign, to 1e-6), warmup 0 and the adjoint kept; with use_synthetic the first
+    call already replaces it (count 1 > warmup 0)."""
+    g = jnp.asarray(np.random.default_rng(8).standard_normal((2, 3)), jnp.float32)
+    p = P.synthetic_gradient()
+    state0 = _init(p, g)
+    assert state0.params["fc1"]["w"].shape == (64, 3)
+    for got, want in ((state0.count, np.int32(0)), (state0.loss, np.float32(0.0))):  # the documented carry
+        assert np.asarray(got).dtype == want.dtype and np.asarray(got).shape == () and got == want
+    out, state1 = _call(p, g, state0)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state1, state0)  # a scan's carry in and out
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(g))
+    grads = jax.grad(lambda q: jnp.mean(jnp.square(P.predictor_apply(q, g) - g)))(state0.params)
+    for a, b, d in zip(jax.tree_util.tree_leaves(state0.params), jax.tree_util.tree_leaves(state1.params),
+                       jax.tree_util.tree_leaves(grads)):
+        step = np.asarray(b, np.float64) - np.asarray(a, np.float64)
+        moved = np.abs(np.asarray(d)) > 1e-4  # |grad| >> Adam's eps: the step is lr * sign(grad)
+        np.testing.assert_allclose(step[moved], -1e-3 * np.sign(np.asarray(d)[moved]), rtol=0, atol=1e-6)
+    syn = P.synthetic_gradient(use_synthetic=True)
+    out, state1 = _call(syn, g, _init(syn, g))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(P.predictor_apply(state1.params, g)), rtol=1e-6)
+    half = g.astype(jnp.bfloat16)  # the replacement keeps a bfloat16 adjoint's dtype
+    out, state1 = _call(syn, half, _init(syn, half))
+    assert out.dtype == jnp.bfloat16
+    want = P.predictor_apply(state1.params, half.astype(jnp.float32)).astype(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=2**-7)
 
 
 def test_nonfinite_guard_in_train_step_counts_and_protects():
@@ -819,6 +919,9 @@ _INIT_STATES = {
     "capture": (P.capture, P.CaptureState(np.zeros(3, _BF16_3))),
     "clip_by_norm(1)": (lambda: P.clip_by_norm(1.0), P.ClipState(np.float32(0.0), np.bool_(False))),
     "int8_fake_quant": (P.int8_fake_quant, P.Int8State(np.float32(0.0))),
+    "fp8_quant(e4m3, current)": (lambda: P.fp8_quant("e4m3"), P.Fp8State(np.float32(0.0), np.zeros(1, np.float32))),
+    "fp8_quant(e5m2, delayed)": (lambda: P.fp8_quant("e5m2", "delayed", history_len=3),
+                                 P.Fp8State(np.float32(0.0), np.zeros(3, np.float32))),
     "nonfinite_guard(zero)": (P.nonfinite_guard, P.GuardState(np.int32(0), np.int32(0))),
     "statistics": (P.statistics, P.StatsState(*[np.float32(0.0)] * 5, np.int32(0), np.bool_(False), np.bool_(False))),
     "topk_compress(0.5, ef)": (lambda: P.topk_compress(0.5), P.TopKState(np.zeros(3, np.float32), np.int32(0))),

@@ -62,16 +62,17 @@ def test_optax_chain_with_a_clipping_pass_trains_like_per_leaf_clipping_then_ada
 
 class Seen(NamedTuple):
     boundary: jax.Array
+    block: jax.Array
     step: jax.Array
     num: jax.Array
 
 
 def _recorder():
     def init(spec, key):
-        return Seen(jnp.int32(-1), jnp.int32(-1), jnp.int32(-1))
+        return Seen(jnp.int32(-1), jnp.int32(-1), jnp.int32(-1), jnp.int32(-1))
 
     def update(g, state, ctx):
-        return g * 2.0, Seen(ctx.boundary, ctx.step, jnp.int32(ctx.num_boundaries))
+        return g * 2.0, Seen(ctx.boundary, ctx.block, ctx.step, jnp.int32(ctx.num_boundaries))
 
     return P.AdjointTransformation(init, update, "recorder")
 
@@ -84,6 +85,7 @@ def test_each_float_leaf_is_one_boundary_with_the_update_count_as_step():
     for step in range(2):
         updates, state = tx.update(params, state)
     assert [int(s.boundary) for s in (state.passes[0], state.passes[2])] == [0, 2]
+    assert [int(s.block) for s in (state.passes[0], state.passes[2])] == [0, 2]  # block is the leaf index too
     assert [int(s.step) for s in (state.passes[0], state.passes[2])] == [1, 1]
     assert int(state.passes[0].num) == 3
     np.testing.assert_array_equal(updates["a"], 2.0 * params["a"])

@@ -269,6 +269,20 @@ def test_synthetic_gradient_matches_syntheticgradientpass(shape, use_synthetic, 
     np.testing.assert_allclose(np.asarray(state.params["fc2"]["w"]), fc2.weight.detach().numpy(), rtol=0, atol=1e-6)
 
 
+def test_synthetic_gradient_zero_width_predictor_is_torchs_linear_init():
+    """An adjoint of width F = 0 ((4, 0)) gets the predictor torch's ``nn.Linear(0, H)`` and
+    ``nn.Linear(H, 0)`` make: zero-size weights, a zero fc1 bias (``U(0, 0)``), float32."""
+    hidden = 3
+    state = P.synthetic_gradient(hidden_dim=hidden).init(jax.ShapeDtypeStruct((4, 0), jnp.float32), jax.random.key(0))
+    fc1, fc2 = torch.nn.Linear(0, hidden), torch.nn.Linear(hidden, 0)
+    want = {"fc1": {"w": fc1.weight, "b": fc1.bias}, "fc2": {"w": fc2.weight, "b": fc2.bias}}
+    assert jax.tree_util.tree_structure(state.params) == jax.tree_util.tree_structure(want)
+    for got, ref in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(want)):
+        ref = ref.detach().numpy()
+        assert got.dtype == ref.dtype == np.float32 and got.shape == ref.shape
+        np.testing.assert_array_equal(np.asarray(got), ref)
+
+
 # ----------------------------------------------------------------------------- accuracy on multi-axis adjoints
 #: Multi-axis adjoints where torch's own float32 norm stays within ~3e-7 of float64
 #: (torch's CPU vector_norm loses accuracy linearly with size; see the norm test below).

@@ -22,7 +22,8 @@ _SCALINGS = ("current", "delayed")
 
 class Fp8State(NamedTuple):
     """``scale``: the dequantization scale the last call used (current) or the
-    next will (delayed); ``amax_history``: newest first (``(1,)`` when current).
+    next will (delayed; while the history holds no nonzero amax, the one the
+    last call used); ``amax_history``: newest first (``(1,)`` when current).
 
     >>> Fp8State(jnp.zeros(()), jnp.zeros((1,))).amax_history.shape
     (1,)

@@ -135,8 +135,8 @@ def test_a_run_whose_optimizer_state_moves_to_host_memory_trains_and_resumes_lik
 
 
 def test_a_budget_on_an_fsdp_and_tensor_parallel_mesh_is_per_device(tmp_path):
-    # 4 CPU devices in a fresh process (tests/parallel_worker.py `budget`): a budget of half
-    # what one device needs before any activation is planned on fsdp=2 x model=2 and trains.
+    # 4 CPU devices in a fresh process (tests/parallel_worker.py `budget`): a budget of two
+    # thirds of what one device needs before any activation is planned on fsdp=2 x model=2 and trains.
     from conftest import run_worker
 
     got = run_worker("budget", tmp_path, devices=4)
@@ -146,9 +146,11 @@ def test_a_budget_on_an_fsdp_and_tensor_parallel_mesh_is_per_device(tmp_path):
     assert plan["reserved_for_grad_accumulator"] == shard
     assert plan["compiled_peak"] + plan["reserved_for_grad_accumulator"] <= budget
     assert abs(plan["peak"] - plan["compiled_peak"]) <= 0.05 * plan["compiled_peak"]
-    assert plan["optimizer_in_host_memory"]  # AdamW's 2 x params per device do not fit beside the rest
+    # on a CPU mesh AdamW's state stays in device memory (docs/training.md), and the blocks keep less
+    assert not plan["optimizer_in_host_memory"] and 2 * shard <= plan["optimizer"] <= 2 * shard + 16  # + counts
     blocks = [run for seg in plan["segments"] if seg["name"] == "decoder_block" for _, run in seg["runs"]]
     assert blocks and "slots" not in blocks  # gradient slots are plain device boundaries on a mesh
+    assert "everything" not in blocks  # plain autodiff's activations do not fit
     np.testing.assert_allclose(got["runs"]["planned"]["losses"], got["runs"]["flags"]["losses"], rtol=1e-6)
     assert f"({budget} < {3 * whole} bytes)" in got["one_device"] and "below the floor" in got["one_device"]
     assert "not a pipeline" in got["pipeline"] and "stage=2" in got["pipeline"]

@@ -155,10 +155,16 @@ def plan_run(budget: Union[int, float], stack, seg_params, micro_batch: int, seq
                               f"{fmt_bytes(opt_bytes)} more unless it moves to host memory)")
         budget -= reserved
     sharded = {} if mesh is None else dict(in_shardings=mesh.in_shardings, wrap=mesh.wrap, options=mesh.options)
+    # XLA:CPU ran the streamed host update's collectives out of order across the devices of a
+    # mesh and deadlocked; on the CPU host memory is the same memory anyway.
+    cpu_mesh = mesh is not None and jax.default_backend() == "cpu" and any_mesh.size > 1
     plan = plan_memory(stack, seg_params, tokens, budget, loss=loss, loss_args=(tokens,), optimizer_bytes=opt_bytes,
-                       costs=costs, **sharded)
+                       costs=costs, offload_optimizer=False if cpu_mesh else "auto", **sharded)
     lines = [f"memory plan (per device; {fmt_bytes(reserved)} of the budget set aside for the gradient "
              "accumulator):", *plan.table().splitlines()]
+    if cpu_mesh:
+        lines.append("the optimizer state stays in device memory: on a CPU mesh of several devices it is not "
+                     "moved to host memory (the same memory there)")
     run_tx = tx
     if plan.optimizer_offloaded:
         if host_memory_kind() is None:

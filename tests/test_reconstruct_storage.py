@@ -184,14 +184,32 @@ def test_a_run_of_depth_zero_is_served_by_the_plain_scan(depth, slots, host):
         assert type(store).__name__ == served
 
 
-@pytest.mark.parametrize("elems, served", [(24, "GradSlots"), (23, "OnDevice")])
-def test_grad_slots_serve_a_run_whose_float_params_hold_one_boundary(elems, served):
-    # The boundary is 3 x 8 float32: 24 elements. Int and key leaves hold no gradient bytes.
+@pytest.mark.parametrize("elems, x_dtype, stored, served", [
+    (24, jnp.float32, None, "GradSlots"), (23, jnp.float32, None, "OnDevice"),
+    (12, jnp.bfloat16, None, "GradSlots"), (11, jnp.bfloat16, None, "OnDevice"),
+    (12, jnp.float32, "bfloat16", "GradSlots"), (11, jnp.float32, "bfloat16", "OnDevice")])
+def test_grad_slots_serve_a_run_whose_float_params_hold_one_boundary(elems, x_dtype, stored, served):
+    # The boundary is 3 x 8 in the storage's dtype, else x's: 96 bytes in float32, 48 in
+    # bfloat16; the float32 params hold 4 bytes an element. Int and key leaves hold no
+    # gradient bytes. A run it cannot serve is stored on the device in the same dtype.
     params = {"s": jnp.ones((2, elems)), "rng": jax.random.split(jax.random.key(0), 2),
               "n": jnp.zeros((2, 100), jnp.int32)}
-    stack = eae_jax.reconstruct(lambda p, h: h * jnp.mean(p["s"]), storage=GradSlots())
-    (store,) = stack.storages(params, jnp.ones((3, 8)))
+    stack = eae_jax.reconstruct(lambda p, h: h * jnp.mean(p["s"]).astype(h.dtype), storage=GradSlots(stored))
+    (store,) = stack.storages(params, jnp.ones((3, 8), x_dtype))
     assert type(store).__name__ == served
+    assert store.dtype == (None if stored is None else np.dtype(stored))
+
+
+def test_grad_slots_fall_back_to_on_device_in_their_dtype():
+    """Unscanned blocks, a run of depth 0 and int token ids: `OnDevice` with the same boundary dtype."""
+    case = _case("hetero_int_input")
+    served = eae_jax.reconstruct(case.blocks, storage=GradSlots("bfloat16")).storages(case.params, case.x)
+    assert [(type(s).__name__, s.dtype) for s in served] == [
+        ("OnDevice", np.dtype("bfloat16")), ("GradSlots", np.dtype("bfloat16")),
+        ("OnDevice", np.dtype("bfloat16")), ("OnDevice", np.dtype("bfloat16"))]
+    (empty,) = eae_jax.reconstruct(mlp, storage=GradSlots("bfloat16")).storages(mlp_params(jax.random.key(0), 0),
+                                                                               jnp.ones((3, 8)))
+    assert (type(empty).__name__, empty.dtype) == ("OnDevice", np.dtype("bfloat16"))
 
 
 # ----------------------------------------------------------------------------- passes

@@ -200,6 +200,13 @@ def test_grad_slots_serve_a_run_whose_float_params_hold_one_boundary(elems, x_dt
     assert store.dtype == (None if stored is None else np.dtype(stored))
 
 
+def test_grad_slots_used_unbound_say_so():
+    message = "GradSlots storage used before bind(layout) chose its slots (the stack binds it)"
+    for use in (lambda s: s.forward(None, None, None, None), lambda s: s.backward(*[None] * 7)):
+        with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+            use(GradSlots())
+
+
 def test_grad_slots_fall_back_to_on_device_in_their_dtype():
     """Unscanned blocks, a run of depth 0 and int token ids: `OnDevice` with the same boundary dtype."""
     case = _case("hetero_int_input")

@@ -367,6 +367,24 @@ def test_grad_of_grad_through_byte_stored_boundaries_raises(kw, fix):
         _grad_of_grad(eae_jax.reconstruct(_block, **kw), params, x)
 
 
+def test_differentiating_only_the_cotangent_through_gradient_slots_raises():
+    # d/dc of grad_p(c * loss): the boundaries do not depend on c, only the
+    # gradients do, and those go through the slots as raw bytes; without
+    # their own guard d/dc silently came out 0. Stored apart, it is plain
+    # autodiff's.
+    params, x = 0.5 * jax.random.normal(jax.random.key(0), (3, 4, 4)), jnp.ones((2, 4))
+
+    def d_dc(stack_fn):
+        inner = lambda c: jax.grad(lambda p: c * jnp.sum(jnp.sin(stack_fn(p, x))))(params)  # noqa: E731
+        return jax.grad(lambda c: jnp.sum(inner(c) ** 2))(2.0)
+
+    block = lambda w, h: jnp.tanh(h @ w)  # noqa: E731 (one weight leaf: its gradient fills the slots)
+    with pytest.raises(ValueError, match="with grad_slots storage: .*boundaries_in_grads=False"):
+        d_dc(eae_jax.reconstruct(block))
+    want = d_dc(lambda p, h: jax.lax.scan(lambda h, w: (block(w, h), None), h, p)[0])
+    np.testing.assert_allclose(d_dc(eae_jax.reconstruct(block, boundaries_in_grads=False)), want, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- init and the carry
 @pytest.mark.parametrize("key", [0, 7, np.int64(7), "typed", "raw"])
 def test_init_takes_int_seeds_and_both_key_kinds(key):

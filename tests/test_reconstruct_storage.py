@@ -12,6 +12,7 @@ gradients plain ``jax.grad(allow_int=True)`` gives them.
 
 import dataclasses
 import functools
+import re
 
 import chex
 import jax
@@ -27,6 +28,7 @@ from eae_jax.parallel import Sharded, make_mesh
 from eae_jax.reconstruct import (GradSlots, Host, HostUnrolled, OnDevice, Policy, Runs, Scan, Segment,
                                  SegmentLayout, Storage)
 from eae_jax.reconstruct.policy import split_vjp
+from eae_jax.train.profile import stage_of
 
 STORAGES = {
     "device": OnDevice(),
@@ -182,23 +184,49 @@ def test_a_run_of_depth_zero_is_served_by_the_plain_scan(depth, slots, host):
         assert type(store).__name__ == served
 
 
-@pytest.mark.parametrize("elems, served", [(24, "GradSlots"), (23, "OnDevice")])
-def test_grad_slots_serve_a_run_whose_float_params_hold_one_boundary(elems, served):
-    # The boundary is 3 x 8 float32: 24 elements. Int and key leaves hold no gradient bytes.
+@pytest.mark.parametrize("elems, x_dtype, stored, served", [
+    (24, jnp.float32, None, "GradSlots"), (23, jnp.float32, None, "OnDevice"),
+    (12, jnp.bfloat16, None, "GradSlots"), (11, jnp.bfloat16, None, "OnDevice"),
+    (12, jnp.float32, "bfloat16", "GradSlots"), (11, jnp.float32, "bfloat16", "OnDevice")])
+def test_grad_slots_serve_a_run_whose_float_params_hold_one_boundary(elems, x_dtype, stored, served):
+    # The boundary is 3 x 8 in the storage's dtype, else x's: 96 bytes in float32, 48 in
+    # bfloat16; the float32 params hold 4 bytes an element. Int and key leaves hold no
+    # gradient bytes. A run it cannot serve is stored on the device in the same dtype.
     params = {"s": jnp.ones((2, elems)), "rng": jax.random.split(jax.random.key(0), 2),
               "n": jnp.zeros((2, 100), jnp.int32)}
-    stack = eae_jax.reconstruct(lambda p, h: h * jnp.mean(p["s"]), storage=GradSlots())
-    (store,) = stack.storages(params, jnp.ones((3, 8)))
+    stack = eae_jax.reconstruct(lambda p, h: h * jnp.mean(p["s"]).astype(h.dtype), storage=GradSlots(stored))
+    (store,) = stack.storages(params, jnp.ones((3, 8), x_dtype))
     assert type(store).__name__ == served
+    assert store.dtype == (None if stored is None else np.dtype(stored))
+
+
+def test_grad_slots_used_unbound_say_so():
+    message = "GradSlots storage used before bind(layout) chose its slots (the stack binds it)"
+    for use in (lambda s: s.forward(None, None, None, None), lambda s: s.backward(*[None] * 7)):
+        with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+            use(GradSlots())
+
+
+def test_grad_slots_fall_back_to_on_device_in_their_dtype():
+    """Unscanned blocks, a run of depth 0 and int token ids: `OnDevice` with the same boundary dtype."""
+    case = _case("hetero_int_input")
+    served = eae_jax.reconstruct(case.blocks, storage=GradSlots("bfloat16")).storages(case.params, case.x)
+    assert [(type(s).__name__, s.dtype) for s in served] == [
+        ("OnDevice", np.dtype("bfloat16")), ("GradSlots", np.dtype("bfloat16")),
+        ("OnDevice", np.dtype("bfloat16")), ("OnDevice", np.dtype("bfloat16"))]
+    (empty,) = eae_jax.reconstruct(mlp, storage=GradSlots("bfloat16")).storages(mlp_params(jax.random.key(0), 0),
+                                                                               jnp.ones((3, 8)))
+    assert (type(empty).__name__, empty.dtype) == ("OnDevice", np.dtype("bfloat16"))
 
 
 # ----------------------------------------------------------------------------- passes
 PASSES = (P.int8_fake_quant(), P.clip_by_norm(0.05))
 
 
-def reference_with_passes(case, passes, key):
-    """Per-block VJP chain with ``passes`` applied at every float boundary:
-    ``(param grads per block, pass state per boundary, norms in, norms out)``."""
+def reference_with_passes(case, passes, key, step=0):
+    """Per-block VJP chain with ``passes`` applied at every float boundary
+    in train step ``step``: ``(param grads per block, pass state per
+    boundary, norms in, norms out)``."""
     flat = case.flat(case.params)
     hs = [case.x]
     for fn, p in flat:
@@ -209,7 +237,7 @@ def reference_with_passes(case, passes, key):
 
     def at(i, g):
         state = passes.init(jax.ShapeDtypeStruct(g.shape, g.dtype), keys[i])
-        out, states[i] = passes.update(g, state, P.PassContext(jnp.int32(i), jnp.int32(i), jnp.int32(0), num))
+        out, states[i] = passes.update(g, state, P.PassContext(jnp.int32(i), jnp.int32(i), jnp.int32(step), num))
         n_in[i], n_out[i] = np.linalg.norm(np.asarray(g, np.float64)), np.linalg.norm(np.asarray(out, np.float64))
         return out
 
@@ -251,6 +279,65 @@ def test_pass_state_and_stats_equal_a_per_block_reference(storage):
     np.testing.assert_allclose(np.asarray(stats["adjoint_norm"]), n_in, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(stats["adjoint_norm_after_passes"]), n_out, rtol=2e-5)
     assert float(stats["calls"]) == 1.0
+
+
+def where_it_runs():
+    """A pass that keeps the adjoint and records the `PassContext` it was
+    given: ``int32[boundary, block, step, num_boundaries]``."""
+    def update(g, state, ctx):
+        seen = [ctx.boundary, ctx.block, ctx.step, ctx.num_boundaries]
+        return g, jnp.stack([jnp.asarray(v, jnp.int32) for v in seen])
+
+    return P.AdjointTransformation(lambda spec, key: jnp.full((4,), -1, jnp.int32), update, name="where")
+
+
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_a_pass_sees_its_boundary_block_step_and_count_in_a_passes_scope(storage):
+    """A custom pass reads the whole `PassContext` (block is the boundary's
+    index too; no built-in pass reads it) at every float boundary, in the
+    carry's step (1: after one update); the chain's ops sit in the ``passes``
+    scope the ``--profile`` stage table reads, and the statistics are the
+    norms before and after the chain, in float64 numpy."""
+    case = _case("hetero_int_input")
+    passes = [where_it_runs(), P.decay(0.25)]
+    stack = eae_jax.reconstruct(case.blocks, storage=STORAGES[storage], passes=passes)
+
+    def step(p, c):
+        gc = jax.grad(lambda c: loss_of(stack(p, case.x, c)))(c)
+        c, stats = stack.update(c, gc)
+        return c, stack.state(c), stats
+
+    step = jax.jit(step)
+    carry, _, _ = step(case.params, stack.init(case.params, case.x))
+    _, state, stats = step(case.params, carry)
+    _, want, n_in, n_out = reference_with_passes(case, P.chain(*passes), jax.random.key(0), step=1)
+    seg = state["segments"]
+    assert seg[0] is None and want[0] is None
+    got = [_rows(seg[1], 0), _rows(seg[1], 1), seg[2], seg[3], state["top"]]
+    for i, (g, w) in enumerate(zip(got, want[1:]), start=1):
+        np.testing.assert_array_equal(np.asarray(g[0]), [i, i, 1, 6])
+        np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(w[0]))
+    np.testing.assert_allclose(np.asarray(stats["adjoint_norm"]), n_in, rtol=2e-6)
+    np.testing.assert_allclose(np.asarray(stats["adjoint_norm_after_passes"]), n_out, rtol=2e-6)
+    np.testing.assert_allclose(n_out, 0.75 * n_in, rtol=1e-6)
+    traced = step.lower(case.params, carry).as_text(debug_info=True)
+    stages = {stage_of(name) for name in re.findall(r'loc\("([^"]*)"', traced)}
+    assert "passes" in stages, sorted(stages)
+
+
+def test_without_stats_the_passes_run_and_the_norms_stay_zero():
+    """``stats=False``: the pass chain still acts (the per-block reference's
+    gradients), and the carry's statistics are the zeros `init` made."""
+    case = _case("hetero_int_input")
+    stack = eae_jax.reconstruct(case.blocks, passes=P.decay(0.25), stats=False)
+    carry = stack.init(case.params, case.x)
+    gp, gc = jax.jit(jax.grad(lambda p, c: loss_of(stack(p, case.x, c)), argnums=(0, 1), allow_int=True))(
+        case.params, carry)
+    _, stats = stack.update(carry, gc)
+    want, _, _, _ = reference_with_passes(case, P.decay(0.25), jax.random.key(0))
+    assert_grads_close([gp[0], _rows(gp[1], 0), _rows(gp[1], 1), gp[2], gp[3]], want, rtol=2e-5, atol=1e-6)
+    for name in ("adjoint_norm", "adjoint_norm_after_passes"):
+        np.testing.assert_array_equal(np.asarray(stats[name]), np.zeros(6, np.float32))
 
 
 @pytest.mark.parametrize("storage", list(STORAGES))

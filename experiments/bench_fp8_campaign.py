@@ -26,8 +26,8 @@ medium,7b`` and ``train`` add the rest when there is time):
 Protocol (docs/benchmarks.md): every timed process in a seeded random
 order of ``--repeats`` rounds, prepared in parallel batches and timed one
 at a time, nothing else running (`bench_stack.Runner`); the state writers
-lead the first batch and finish before anything is timed, the gradient
-references run after the last timed process;
+run alone before the first batch (compiling beside it they outran its prep
+timeout), the gradient references run after the last timed process;
 nvidia-smi logged throughout (`bench_stack.SmiLogger`); medians over
 processes with 95% intervals and verdicts (`bench_stats`). An FFN process
 times every variant of its shape, in its own random order of rounds. Per-step
@@ -166,13 +166,11 @@ def estimate(args, refs, timed, grads=()) -> dict:
     if args.smoke:
         return {"total_s": 0.0, "note": "smoke: no estimate"}
     ref = max([ASSUME["ref"][j.cfg.name] for j in refs] or [0.0])
-    pending, compiled, prep, first = list(refs + timed), set(), 0.0, True
-    while pending:
+    pending, compiled, prep = list(timed), set(), 0.0
+    while pending:  # the state writers run alone before these batches (counted apart)
         cold = any((j.variant, j.cfg.name) not in compiled for j in pending[:args.jobs])
         bp.next_batch(pending, compiled, args.jobs, args.warm_jobs)
-        # the first batch waits for the references, whose time is counted apart
-        prep += 0.0 if first and refs else ASSUME["prep_cold"] if cold else ASSUME["prep_warm"]
-        first = False
+        prep += ASSUME["prep_cold"] if cold else ASSUME["prep_warm"]
     timing = 0.0
     for j in timed:
         if j.variant == "ffn":
@@ -375,10 +373,12 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     try:
         if refs or timed:
-            # The state writers lead the first batch: FFN and bf16 processes compile beside
-            # them; the fp8 step processes wait for their states. The gradient references
-            # (their float32 step compiles for minutes) come after everything timed.
-            runner.run_group("fp8", refs + timed + grads, write, save_rows)
+            # The state writers run alone first: compiling beside the first batch, a writer
+            # outran that batch's prep timeout and every fp8 process waiting for its states
+            # timed out. The gradient references (a float32 step) come after everything timed.
+            if refs:
+                runner.run_group("fp8 states", refs, write, save_rows)
+            runner.run_group("fp8", timed + grads, write, save_rows)
         if "train" in args.sections:
             left = runner.remaining() - args.reserve_s
             if left < args.min_train_s:

@@ -161,7 +161,7 @@ def run_ref_states(spec) -> dict:
     """Bind our seams as the training command does, observe the gradient
     scales with one current-scaling step, warm Flax's amax histories, and
     write both fp8 states: what the timed fp8 processes wait for, so it
-    leads the first batch and does nothing else."""
+    runs before them, alone, and does nothing else."""
     import jax
     import bench_fp8_programs as bp
 

@@ -232,8 +232,17 @@ class OffloadedOptimizer:
         """``state`` (e.g. restored from a checkpoint, or put on a mesh) with its
         chunks in host memory: ``sharding`` (default: the first device) in
         this optimizer's memory kind; the scalars stay in device memory.
+
+        A host memory kind on a CPU sharding of several devices is refused
+        (XLA:CPU can deadlock there; ``memory_kind=None`` runs the same update).
         """
         sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if self.kind and jax.default_backend() == "cpu" and len(sharding.device_set) > 1:
+            # XLA:CPU ran the streamed update's collectives out of order across the devices and hung.
+            raise ValueError(f"eae_jax.offload_optim: host memory kind {self.kind!r} on a CPU mesh of "
+                             f"{len(sharding.device_set)} devices: XLA:CPU can deadlock on the streamed "
+                             "update; on CPU host memory is the same memory, so build the optimizer with "
+                             "memory_kind=None")
         host = sharding.with_memory_kind(self.kind) if self.kind else sharding
 
         def put(x):

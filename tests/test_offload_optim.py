@@ -131,3 +131,19 @@ def test_a_backend_without_host_memory_keeps_the_state_on_the_device():
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="memory_kind must be"):
         offload_optimizer(optax.sgd(0.1), memory_kind="gpu")
+
+
+def test_a_host_kind_on_a_cpu_mesh_of_several_devices_is_refused_by_name():
+    class TwoDevices:  # the refusal comes before any placement
+        device_set = {"cpu:0", "cpu:1"}
+
+    params = _params()
+    opt = offload_optimizer(optax.sgd(0.1, momentum=0.9), memory_kind="pinned_host")
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"'pinned_host' on a CPU mesh of 2 devices.*memory_kind=None"):
+        opt.place(state, TwoDevices())
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # one device: placed in the host kind
+    placed = opt.place(state, one)
+    chunks = [c for c in jax.tree_util.tree_leaves(placed.inner, is_leaf=offload_optim._is_chunks)
+              if offload_optim._is_chunks(c)]
+    assert len(chunks) == 4 and {x.sharding.memory_kind for c in chunks for x in c.parts} == {"pinned_host"}

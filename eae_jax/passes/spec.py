@@ -204,7 +204,15 @@ def _parse_item(item: str) -> Tuple[str, List[str], Dict[str, str]]:
     """``name``, ``name=value`` or ``name(a, k=v)`` -> (name, positional, keywords)."""
     if "(" in item:
         name, _, rest = item.partition("(")
-        if not rest.endswith(")"):
+        # The ')' that closes the first '(' must end the item: `clip(1)(2)` is balanced but not a call.
+        depth = 1
+        for end, ch in enumerate(rest):
+            depth += (ch == "(") - (ch == ")")
+            if depth == 0:
+                break
+        if depth:
+            raise ValueError(f"{item!r}: unbalanced '('")
+        if end != len(rest) - 1:
             raise ValueError(f"{item!r}: text after the closing ')'")
         args = [a.strip() for a in _split_top(rest[:-1])]
         if args == [""]:
@@ -217,7 +225,7 @@ def _parse_item(item: str) -> Tuple[str, List[str], Dict[str, str]]:
                 k, _, v = a.partition("=")
                 if k.strip() in keywords:
                     raise ValueError(f"{item!r}: {k.strip()} given twice")
-                keywords[k.strip()] = v
+                keywords[k.strip()] = v.strip()
             elif keywords:
                 raise ValueError(f"{item!r}: a value without a name after a named one")
             else:

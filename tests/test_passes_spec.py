@@ -160,6 +160,8 @@ def test_a_bad_value_is_refused_naming_the_parameter(kind, text, message):
     (Param("ratio", float, REQUIRED), "ratio: float"),
     (Param("hidden_dim", int, 64), "hidden_dim: int=64"),
     (Param("format", str, "e4m3"), "format: str=e4m3"),
+    (Param("policy", str, "Zero"), "policy: str=Zero"),  # only a bool's default is lower-cased
+    (Param("lr", float, 1e-3), "lr: float=0.001"),
 ])
 def test_a_parameter_describes_itself(param, text):
     assert param.describe() == text

@@ -142,7 +142,7 @@ class PassEntry:
             given[key] = text
         for p in params:
             if p.name in given:
-                values[p.name] = p.parse(given[p.name]) if isinstance(given[p.name], str) else given[p.name]
+                values[p.name] = p.parse(given[p.name])
             elif p.default is _REQUIRED:
                 raise ValueError(f"{where}: {self.name} needs {p.name} ({p.kind.__name__}), e.g. "
                                  f"{self.name}=<{p.name}> or {self.name}({p.name}=...)")

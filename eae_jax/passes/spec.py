@@ -152,27 +152,24 @@ class PassEntry:
 
 
 def _entries() -> Dict[str, PassEntry]:
+    # (names, factory, what the names fix or default); each name's entry is named by it.
     table = [
-        (("clip_by_norm", "clip"), PassEntry("clip", clip_by_norm, defaults={"max_norm": 1.0})),
-        (("int8_fake_quant", "int8"), PassEntry("int8", int8_fake_quant)),
-        (("cast_roundtrip", "cast"), PassEntry("cast", cast_roundtrip)),
-        (("fp16",), PassEntry("fp16", cast_roundtrip, fixed={"dtype": "fp16"})),
-        (("bf16",), PassEntry("bf16", cast_roundtrip, fixed={"dtype": "bf16"})),
-        (("fp8_quant", "fp8"), PassEntry("fp8", fp8_quant)),
-        (("decay",), PassEntry("decay", decay)),
-        (("gaussian_noise", "noise"), PassEntry("noise", gaussian_noise)),
-        (("statistics", "stats"), PassEntry("stats", statistics)),
-        (("topk_compress", "topk"), PassEntry("topk", topk_compress)),
-        (("nonfinite_guard", "guard"), PassEntry("guard", nonfinite_guard)),
-        (("synthetic_gradient", "synthetic"), PassEntry("synthetic", synthetic_gradient)),
-        (("capture",), PassEntry("capture", capture)),
-        (("identity",), PassEntry("identity", identity)),
+        (("clip_by_norm", "clip"), clip_by_norm, dict(defaults={"max_norm": 1.0})),
+        (("int8_fake_quant", "int8"), int8_fake_quant, {}),
+        (("cast_roundtrip", "cast"), cast_roundtrip, {}),
+        (("fp16",), cast_roundtrip, dict(fixed={"dtype": "fp16"})),
+        (("bf16",), cast_roundtrip, dict(fixed={"dtype": "bf16"})),
+        (("fp8_quant", "fp8"), fp8_quant, {}),
+        (("decay",), decay, {}),
+        (("gaussian_noise", "noise"), gaussian_noise, {}),
+        (("statistics", "stats"), statistics, {}),
+        (("topk_compress", "topk"), topk_compress, {}),
+        (("nonfinite_guard", "guard"), nonfinite_guard, {}),
+        (("synthetic_gradient", "synthetic"), synthetic_gradient, {}),
+        (("capture",), capture, {}),
+        (("identity",), identity, {}),
     ]
-    out = {}
-    for names, entry in table:
-        for n in names:
-            out[n] = dataclasses.replace(entry, name=n)
-    return out
+    return {n: PassEntry(n, factory, **options) for names, factory, options in table for n in names}
 
 
 #: Every name a spec may use -> its `PassEntry` (factory names and short aliases).

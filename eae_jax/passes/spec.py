@@ -142,7 +142,7 @@ class PassEntry:
             given[key] = text
         for p in params:
             if p.name in given:
-                values[p.name] = p.parse(given[p.name]) if isinstance(given[p.name], str) else given[p.name]
+                values[p.name] = p.parse(given[p.name])
             elif p.default is _REQUIRED:
                 raise ValueError(f"{where}: {self.name} needs {p.name} ({p.kind.__name__}), e.g. "
                                  f"{self.name}=<{p.name}> or {self.name}({p.name}=...)")
@@ -152,27 +152,24 @@ class PassEntry:
 
 
 def _entries() -> Dict[str, PassEntry]:
+    # (names, factory, what the names fix or default); each name's entry is named by it.
     table = [
-        (("clip_by_norm", "clip"), PassEntry("clip", clip_by_norm, defaults={"max_norm": 1.0})),
-        (("int8_fake_quant", "int8"), PassEntry("int8", int8_fake_quant)),
-        (("cast_roundtrip", "cast"), PassEntry("cast", cast_roundtrip)),
-        (("fp16",), PassEntry("fp16", cast_roundtrip, fixed={"dtype": "fp16"})),
-        (("bf16",), PassEntry("bf16", cast_roundtrip, fixed={"dtype": "bf16"})),
-        (("fp8_quant", "fp8"), PassEntry("fp8", fp8_quant)),
-        (("decay",), PassEntry("decay", decay)),
-        (("gaussian_noise", "noise"), PassEntry("noise", gaussian_noise)),
-        (("statistics", "stats"), PassEntry("stats", statistics)),
-        (("topk_compress", "topk"), PassEntry("topk", topk_compress)),
-        (("nonfinite_guard", "guard"), PassEntry("guard", nonfinite_guard)),
-        (("synthetic_gradient", "synthetic"), PassEntry("synthetic", synthetic_gradient)),
-        (("capture",), PassEntry("capture", capture)),
-        (("identity",), PassEntry("identity", identity)),
+        (("clip_by_norm", "clip"), clip_by_norm, dict(defaults={"max_norm": 1.0})),
+        (("int8_fake_quant", "int8"), int8_fake_quant, {}),
+        (("cast_roundtrip", "cast"), cast_roundtrip, {}),
+        (("fp16",), cast_roundtrip, dict(fixed={"dtype": "fp16"})),
+        (("bf16",), cast_roundtrip, dict(fixed={"dtype": "bf16"})),
+        (("fp8_quant", "fp8"), fp8_quant, {}),
+        (("decay",), decay, {}),
+        (("gaussian_noise", "noise"), gaussian_noise, {}),
+        (("statistics", "stats"), statistics, {}),
+        (("topk_compress", "topk"), topk_compress, {}),
+        (("nonfinite_guard", "guard"), nonfinite_guard, {}),
+        (("synthetic_gradient", "synthetic"), synthetic_gradient, {}),
+        (("capture",), capture, {}),
+        (("identity",), identity, {}),
     ]
-    out = {}
-    for names, entry in table:
-        for n in names:
-            out[n] = dataclasses.replace(entry, name=n)
-    return out
+    return {n: PassEntry(n, factory, **options) for names, factory, options in table for n in names}
 
 
 #: Every name a spec may use -> its `PassEntry` (factory names and short aliases).
@@ -204,7 +201,15 @@ def _parse_item(item: str) -> Tuple[str, List[str], Dict[str, str]]:
     """``name``, ``name=value`` or ``name(a, k=v)`` -> (name, positional, keywords)."""
     if "(" in item:
         name, _, rest = item.partition("(")
-        if not rest.endswith(")"):
+        # The ')' that closes the first '(' must end the item: `clip(1)(2)` is balanced but not a call.
+        depth = 1
+        for end, ch in enumerate(rest):
+            depth += (ch == "(") - (ch == ")")
+            if depth == 0:
+                break
+        if depth:
+            raise ValueError(f"{item!r}: unbalanced '('")
+        if end != len(rest) - 1:
             raise ValueError(f"{item!r}: text after the closing ')'")
         args = [a.strip() for a in _split_top(rest[:-1])]
         if args == [""]:
@@ -217,7 +222,7 @@ def _parse_item(item: str) -> Tuple[str, List[str], Dict[str, str]]:
                 k, _, v = a.partition("=")
                 if k.strip() in keywords:
                     raise ValueError(f"{item!r}: {k.strip()} given twice")
-                keywords[k.strip()] = v
+                keywords[k.strip()] = v.strip()
             elif keywords:
                 raise ValueError(f"{item!r}: a value without a name after a named one")
             else:

@@ -27,7 +27,7 @@ from eae_jax import passes as P
 from eae_jax.parallel import Sharded, make_mesh
 from eae_jax.reconstruct import (GradSlots, Host, HostUnrolled, OnDevice, Policy, Runs, Scan, Segment,
                                  SegmentLayout, Storage)
-from eae_jax.reconstruct.policy import split_vjp
+from eae_jax.reconstruct.policy import resolve_policy, split_vjp
 from eae_jax.train.profile import stage_of
 
 STORAGES = {
@@ -466,6 +466,85 @@ def test_policy_supplies_the_params_again_instead_of_keeping_them():
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(case.params)]
     given = {names[j] for src, j in split.sources if src == "param"}
     assert {"['w1']", "['w2']"} <= given  # both matmuls' backward reads its weight
+
+
+def test_policy_names_resolve_and_bad_policies_are_named_in_full():
+    cp = jax.checkpoint_policies
+    assert resolve_policy(None) is None and resolve_policy("boundaries") is None
+    assert resolve_policy("dots") is cp.dots_with_no_batch_dims_saveable
+    assert resolve_policy("dots_all") is cp.dots_saveable and resolve_policy("everything") is cp.everything_saveable
+    assert resolve_policy(cp.nothing_saveable) is cp.nothing_saveable
+    with pytest.raises(ValueError) as err:
+        Policy("sometimes")
+    assert str(err.value) == ("unknown policy 'sometimes'; expected one of "
+                              "['boundaries', 'dots', 'dots_all', 'everything'] or a callable")
+    with pytest.raises(ValueError) as err:
+        Policy(3)
+    assert str(err.value) == "policy must be None, a name or a jax.checkpoint_policies callable, got 3"
+    unbound = Policy("dots")
+    for use in (lambda: unbound.save(None, None, None, None), lambda: unbound.restore(None, None, None, None, None)):
+        with pytest.raises(RuntimeError) as err:
+            use()
+        assert str(err.value) == "Policy storage used before bind(layout) traced its block (the stack binds it)"
+
+
+def _affine_side(p, x, s):
+    return jnp.tanh(x @ p["w"]) * s + p["b"]
+
+
+def _embed_side(table, tokens, s):
+    return table[tokens] * s
+
+
+def _stateful(w, x):
+    return jnp.sin(x) * w, {"n": w + 1.0, "w": w}
+
+
+_k = jax.random.split(jax.random.key(21), 5)
+#: Blocks whose residuals can be read off: under ``nothing_saveable`` the VJP keeps only the
+#: remat's inputs its backward reads (``b`` is added: not read); ``dots_saveable`` adds the
+#: matmul's output. The int tokens and the stateful block's ``x`` are inputs, so they are kept;
+#: the stateful block's new ``w`` passes its param through but is state, not a residual.
+SPLIT_CASES = {
+    "param_and_side_through": (_affine_side, {"b": jax.random.normal(_k[0], (2,)), "w": jax.random.normal(_k[1], (2, 2))},
+                               jax.random.normal(_k[2], (3, 2)), jnp.array([[0.5], [1.5], [-1.0]]), False,
+                               {"nothing": [("kept", 0), ("param", 1), ("side", 0)],
+                                "dots": [("kept", 0), ("kept", 1), ("param", 1), ("side", 0)]}),
+    "int_input_kept": (_embed_side, jax.random.normal(_k[3], (5, 2)), jnp.array([4, 0, 4], jnp.int32),
+                       jnp.array([[0.5], [1.5], [-1.0]]), False,
+                       {"nothing": [("kept", 0), ("side", 0)], "dots": [("kept", 0), ("side", 0)]}),
+    "state_passes_a_param": (_stateful, jax.random.normal(_k[4], (2,)), jax.random.normal(_k[2], (3, 2)), None, True,
+                             {"nothing": [("kept", 0), ("param", 0)], "dots": [("kept", 0), ("param", 0)]}),
+}
+
+
+@pytest.mark.parametrize("policy", ["nothing", "dots"])
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_split_vjp_passes_params_and_side_through_and_restores_jax_vjp(case, policy):
+    fn, params, x, side, stateful, want_sources = SPLIT_CASES[case]
+    spec = functools.partial(jax.tree_util.tree_map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
+    layout = SegmentLayout(Segment(fn, case, False, stateful), 1, spec(params), spec(x), spec(side), 0)
+    bound = Policy(getattr(jax.checkpoint_policies, policy + "_saveable")).bind(layout)
+    split = bound.split
+    assert sorted(split.sources) == want_sources[policy]
+    assert split.float_in == (x.dtype == jnp.float32)
+    block = (lambda p, h: fn(p, h)) if side is None else (lambda p, h: fn(p, h, side))
+    out, kept = bound.save(layout, params, x, side)
+    assert len(kept) == sum(src == "kept" for src, _ in split.sources)
+    chex.assert_trees_all_close(out, block(params, x), rtol=1e-6, atol=0)
+    if stateful:
+        assert split.state == jax.tree_util.tree_structure({"n": 0, "w": 0})
+        y_of = lambda p, h: block(p, h)[0]  # noqa: E731
+    else:
+        assert split.state is None
+        y_of = block
+    g = jnp.cos(jnp.arange(6.0).reshape(3, 2))
+    got = bound.restore(layout, params, kept, g, side)
+    if split.float_in:
+        want = jax.vjp(y_of, params, x)[1](g)
+    else:
+        want = (jax.vjp(lambda p: y_of(p, x), params)[1](g)[0], None)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=0)
 
 
 class _KeepAll(Policy):

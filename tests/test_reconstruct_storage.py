@@ -611,8 +611,9 @@ def test_differentiating_the_cotangent_through_a_slot_run_is_refused_by_name():
     params, x = 0.5 * jax.random.normal(jax.random.key(0), (3, 4, 4)), jnp.ones((2, 4))
     stack = eae_jax.reconstruct(lambda w, h: jnp.tanh(h @ w), storage=Runs(((1, OnDevice()), (2, GradSlots()))))
     inner = lambda c: jax.grad(lambda p: c * jnp.sum(jnp.sin(stack(p, x))))(params)  # noqa: E731
-    with pytest.raises(ValueError, match=r"with grad_slots storage: boundaries stored as raw bytes in gradient "
-                                         r"buffers carry no derivative\. Build the stack with boundaries_in_grads=False"):
+    message = (r"with grad_slots storage: boundaries stored as raw bytes in gradient buffers carry no "
+               r"derivative\. Build the stack with boundaries_in_grads=False")
+    with pytest.raises(ValueError, match=message):
         jax.grad(lambda c: jnp.sum(inner(c) ** 2))(2.0)
 
 

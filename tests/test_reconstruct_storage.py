@@ -665,6 +665,135 @@ def test_runs_arguments_are_checked():
         eae_jax.reconstruct(case.blocks, storage=Runs(((3, OwnLoop()),))).storages(case.params, case.x)
     # a run of no blocks is dropped
     assert [n for n, _ in Runs(((0, Host()), (3, OnDevice()))).runs] == [3]
+
+
+def test_runs_of_bfloat16_params_keep_their_gradients_in_bfloat16_slots():
+    # The slot run's gradients of w are written into 2-byte slots (a float32
+    # copy of them would be twice a slot's width), b's into a bfloat16 buffer.
+    k = jax.random.split(jax.random.key(2), 3)
+    w = {"w": (0.3 * jax.random.normal(k[0], (3, 8, 8))).astype(jnp.bfloat16),
+         "b": (0.1 * jax.random.normal(k[1], (3, 8))).astype(jnp.bfloat16)}
+    x = jax.random.normal(k[2], (2, 8)).astype(jnp.bfloat16)
+    block = lambda p, h: jnp.tanh(h @ p["w"] + p["b"])  # noqa: E731
+    stack = eae_jax.reconstruct(block, storage=Runs(((2, GradSlots()), (1, OnDevice()))))
+    assert [s.kind for s in stack.storages(w, x)[0].bound] == ["grad_slots", "device"]
+    got = jax.jit(jax.grad(lambda w: jnp.sum(stack(w, x).astype(jnp.float32))))(w)
+    plain = lambda w: jax.lax.scan(lambda h, wi: (block(wi, h), None), x, w)[0]  # noqa: E731
+    want = jax.jit(jax.grad(lambda w: jnp.sum(plain(w).astype(jnp.float32))))(w)
+    assert got["w"].dtype == got["b"].dtype == jnp.bfloat16
+    assert_grads_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_differentiating_the_cotangent_through_a_slot_run_is_refused_by_name():
+    # As test_reconstruct.py's test for GradSlots alone: the gradients a slot
+    # run writes as raw bytes are guarded, naming the storage and the fix.
+    params, x = 0.5 * jax.random.normal(jax.random.key(0), (3, 4, 4)), jnp.ones((2, 4))
+    stack = eae_jax.reconstruct(lambda w, h: jnp.tanh(h @ w), storage=Runs(((1, OnDevice()), (2, GradSlots()))))
+    inner = lambda c: jax.grad(lambda p: c * jnp.sum(jnp.sin(stack(p, x))))(params)  # noqa: E731
+    message = (r"with grad_slots storage: boundaries stored as raw bytes in gradient buffers carry no "
+               r"derivative\. Build the stack with boundaries_in_grads=False")
+    with pytest.raises(ValueError, match=message):
+        jax.grad(lambda c: jnp.sum(inner(c) ** 2))(2.0)
+
+
+def _run_layout(scanned=True, depth=3):
+    """The layout of a segment of ``mlp`` blocks whose first boundary is x4."""
+    one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), mlp_params(jax.random.key(0)))
+    return SegmentLayout(Segment(mlp, "body", scanned), depth, one, jax.ShapeDtypeStruct((3, 8), jnp.float32), None, 4)
+
+
+class _OwnLoop(OnDevice):
+    def forward(self, layout, params, x, side):
+        return super().forward(layout, params, x, side)
+
+
+@pytest.mark.parametrize("runs, exc, msg", [
+    (((True, OnDevice()),), ValueError, "Runs: block counts must be ints >= 0, got True"),
+    (((1.0, OnDevice()),), ValueError, "Runs: block counts must be ints >= 0, got 1.0"),
+    (((-1, OnDevice()),), ValueError, "Runs: block counts must be ints >= 0, got -1"),
+    (((3, "device"),), TypeError, "Runs: 'device' is not an eae_jax.reconstruct storage"),
+    (((3, HostUnrolled()),), ValueError, "Runs: a run cannot be HostUnrolled (use Host for host memory)"),
+    (((3, Runs()),), ValueError, "Runs: a run cannot be Runs (use Host for host memory)"),
+], ids=["bool", "float", "negative", "not-a-storage", "host-unrolled", "nested"])
+def test_runs_refuse_a_bad_run_in_full(runs, exc, msg):
+    with pytest.raises(exc) as err:
+        Runs(runs)
+    assert str(err.value) == msg
+
+
+@pytest.mark.parametrize("runs, msg", [
+    (((2, OnDevice()),), "Runs: the runs hold 2 blocks but segment 'body' has 3"),
+    (((2, OnDevice()), (2, OnDevice())), "Runs: the runs hold 4 blocks but segment 'body' has 3"),
+    (((2, GradSlots()), (1, GradSlots("bfloat16"))),
+     "Runs: gradient-slot runs of one segment must store their boundaries in the same dtype"),
+    (((3, _OwnLoop()),), "Runs: _OwnLoop runs its own loop over the blocks and cannot be one run of several"),
+], ids=["fewer", "more", "slot-dtypes", "own-loop"])
+def test_runs_bind_refusals_are_named_in_full(runs, msg):
+    with pytest.raises(ValueError) as err:
+        Runs(runs).bind(_run_layout())
+    assert str(err.value) == msg
+
+
+def test_runs_bind_refuses_a_single_block_and_unbound_runs_say_so():
+    with pytest.raises(ValueError) as err:
+        Runs(((1, OnDevice()),)).bind(_run_layout(scanned=False, depth=1))
+    assert str(err.value) == "Runs: segment 'body' is a single block, not a Scan"
+    runs, lay = Runs(((3, OnDevice()),)), _run_layout()
+    for call in (lambda: runs.forward(lay, None, None, None), lambda: runs.backward(lay, None, None, None, None,
+                                                                                     None, None)):
+        with pytest.raises(RuntimeError) as err:
+            call()
+        assert str(err.value) == "Runs storage used before bind(layout) (the stack binds it)"
+    for call in (lambda: runs.save(lay, None, None, None), lambda: runs.restore(lay, None, None, None, None)):
+        with pytest.raises(TypeError) as err:
+            call()
+        assert str(err.value) == "Runs serves scanned segments only"
+    assert runs.kind == "runs"
+
+
+def test_a_custom_run_sees_its_own_blocks_in_save_and_restore():
+    # A Storage subclass with only save/restore, as the Runs docstring
+    # allows, is given its run's layout: its depth and first boundary.
+    seen = []
+
+    class Inputs(Storage):
+        def save(self, layout, params, x, side):
+            seen.append(("save", layout.depth, layout.first))
+            return layout.call(params, x, side), x
+
+        def restore(self, layout, params, residual, g, side):
+            seen.append(("restore", layout.depth, layout.first))
+            return layout.vjp(params, residual, g, side)
+
+    params, x = 0.5 * jax.random.normal(jax.random.key(0), (5, 4, 4)), jnp.ones((2, 4))
+    block = lambda w, h: jnp.tanh(h @ w)  # noqa: E731
+    stack = eae_jax.reconstruct([block, eae_jax.Scan(block)], storage=[OnDevice(), Runs(
+        ((1, Inputs()), (1, OnDevice()), (2, Inputs())))])
+    got = jax.grad(lambda p: jnp.sum(stack(p, x)))([params[0], params[1:]])
+    assert sorted(set(seen)) == [("restore", 1, 1), ("restore", 2, 3), ("save", 1, 1), ("save", 2, 3)]
+    plain = lambda p: jnp.sum(jax.lax.scan(lambda h, w: (block(w, h), None), x, p)[0])  # noqa: E731
+    want = jax.grad(plain)(params)
+    chex.assert_trees_all_close(got, [want[0], want[1:]], rtol=1e-5, atol=1e-6)
+
+
+def test_runs_bind_each_run_to_its_own_blocks():
+    # Run r sees depth n_r and first boundary x(4 + blocks before it); the
+    # slot plan is the one GradSlots makes for the segment.
+    seen = []
+
+    class Recording(OnDevice):
+        def bind(self, layout):
+            seen.append((layout.depth, layout.first, layout.segment.name))
+            return self
+
+    lay = _run_layout(depth=6)
+    runs = Runs(((np.int64(1), Recording()), (0, Host()), (2, GradSlots()), (3, Recording())))
+    bound = runs.bind(lay)
+    assert [(n, type(n)) for n, _ in bound.runs] == [(1, int), (2, int), (3, int)]
+    assert seen == [(1, 4, "body"), (3, 7, "body")]
+    assert [s.kind for s in bound.bound] == ["device", "grad_slots", "device"]
+    want = GradSlots().bind(lay._replace(depth=2, first=5)).plan
+    assert want is not None and bound.slots == want == bound.bound[1].plan
 # ----------------------------------------------------------------------------- blocks that update state
 def counted_mlp(p, h):
     """`mlp` whose dropout key is ``fold_in(p['rng'], p['count'])`` (an ``nnx.Dropout``'s

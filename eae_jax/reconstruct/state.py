@@ -25,15 +25,17 @@ def as_prng_key(key: Any) -> jax.Array:
         return jax.random.key(0)
     if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
         return jax.random.key(int(key))
-    dtype = getattr(key, "dtype", None)
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    if not isinstance(shape, tuple):
+        dtype = None  # not an array (a scalar type such as jnp.uint32 has a dtype): named by its repr
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        if getattr(key, "shape", None) != ():
-            raise TypeError(f"init: key must be a single PRNG key, got a key array of shape {key.shape}")
+        if shape != ():
+            raise TypeError(f"init: key must be a single PRNG key, got a key array of shape {shape}")
         return key
-    if dtype is not None and jnp.dtype(dtype) == jnp.uint32 and tuple(getattr(key, "shape", ())) == (2,):
+    if dtype is not None and jnp.dtype(dtype) == jnp.uint32 and shape == (2,):
         return key
     raise TypeError(f"init: key must be a jax.random.key, a uint32[2] jax.random.PRNGKey or an int seed; "
-                    f"got {type(key).__name__}" + (f" of dtype {dtype} and shape {tuple(key.shape)}"
+                    f"got {type(key).__name__}" + (f" of dtype {dtype} and shape {shape}"
                                                    if dtype is not None else f" {key!r}"))
 
 

@@ -291,7 +291,7 @@ def where_it_runs():
     return P.AdjointTransformation(lambda spec, key: jnp.full((4,), -1, jnp.int32), update, name="where")
 
 
-@pytest.mark.parametrize("storage", list(STORAGES))
+@pytest.mark.parametrize("storage", [*STORAGES, "runs"])
 def test_a_pass_sees_its_boundary_block_step_and_count_in_a_passes_scope(storage):
     """A custom pass reads the whole `PassContext` (block is the boundary's
     index too; no built-in pass reads it) at every float boundary, in the
@@ -300,7 +300,11 @@ def test_a_pass_sees_its_boundary_block_step_and_count_in_a_passes_scope(storage
     norms before and after the chain, in float64 numpy."""
     case = _case("hetero_int_input")
     passes = [where_it_runs(), P.decay(0.25)]
-    stack = eae_jax.reconstruct(case.blocks, storage=STORAGES[storage], passes=passes)
+    if storage == "runs":  # the scanned segment as two runs: the second's blocks start at its offset
+        storage = [OnDevice(), Runs(((1, Policy("dots")), (1, GradSlots()))), OnDevice(), OnDevice()]
+    else:
+        storage = STORAGES[storage]
+    stack = eae_jax.reconstruct(case.blocks, storage=storage, passes=passes)
 
     def step(p, c):
         gc = jax.grad(lambda c: loss_of(stack(p, case.x, c)))(c)

@@ -52,6 +52,19 @@ def host_memory_kind(device=None) -> Optional[str]:
     return "pinned_host" if "pinned_host" in kinds else None
 
 
+def host_kind_refused(device_count: int) -> bool:
+    """True where a host memory kind is refused for the optimizer state: a CPU
+    mesh of several devices (XLA:CPU ran the streamed update's collectives out of
+    order across its devices and hung; host memory is the same memory there).
+
+    >>> host_kind_refused(1)
+    False
+    >>> host_kind_refused(2) == (jax.default_backend() == "cpu")
+    True
+    """
+    return jax.default_backend() == "cpu" and device_count > 1
+
+
 @jax.tree_util.register_pytree_node_class
 class Chunks:
     """One param leaf's state (or master weights) as host arrays, chunk by chunk of rows.
@@ -237,8 +250,7 @@ class OffloadedOptimizer:
         (XLA:CPU can deadlock there; ``memory_kind=None`` runs the same update).
         """
         sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        if self.kind and jax.default_backend() == "cpu" and len(sharding.device_set) > 1:
-            # XLA:CPU ran the streamed update's collectives out of order across the devices and hung.
+        if self.kind and host_kind_refused(len(sharding.device_set)):
             raise ValueError(f"eae_jax.offload_optim: host memory kind {self.kind!r} on a CPU mesh of "
                              f"{len(sharding.device_set)} devices: XLA:CPU can deadlock on the streamed "
                              "update; on CPU host memory is the same memory, so build the optimizer with "

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from eae_jax.offload_optim import OffloadedOptimizer, host_memory_kind, offload_optimizer
+from eae_jax.offload_optim import OffloadedOptimizer, host_kind_refused, host_memory_kind, offload_optimizer
 from eae_jax.reconstruct import Plan, parse_budget, plan_memory
 from eae_jax.reconstruct.costs import Option, float_bytes, nbytes, shard_bytes
 from eae_jax.reconstruct.planner import BudgetError, fmt_bytes
@@ -155,9 +155,7 @@ def plan_run(budget: Union[int, float], stack, seg_params, micro_batch: int, seq
                               f"{fmt_bytes(opt_bytes)} more unless it moves to host memory)")
         budget -= reserved
     sharded = {} if mesh is None else dict(in_shardings=mesh.in_shardings, wrap=mesh.wrap, options=mesh.options)
-    # XLA:CPU ran the streamed host update's collectives out of order across the devices of a
-    # mesh and deadlocked; on the CPU host memory is the same memory anyway.
-    cpu_mesh = mesh is not None and jax.default_backend() == "cpu" and any_mesh.size > 1
+    cpu_mesh = mesh is not None and host_kind_refused(any_mesh.size)
     plan = plan_memory(stack, seg_params, tokens, budget, loss=loss, loss_args=(tokens,), optimizer_bytes=opt_bytes,
                        costs=costs, offload_optimizer=False if cpu_mesh else "auto", **sharded)
     lines = [f"memory plan (per device; {fmt_bytes(reserved)} of the budget set aside for the gradient "

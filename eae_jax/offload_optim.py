@@ -420,9 +420,11 @@ def offload_optimizer(tx: optax.GradientTransformation, *, master_dtype: Any = N
         warning), a memory kind, or None (the device: the same streamed
         update, nothing moved).
 
-    Donate the params to the jitted step but not the state: an output kept
-    in host memory may otherwise be handed a donated buffer of the same
-    shape meant for the device (jax 0.10 on CPU aborts).
+    Donate the state only to a step jitted with every sharding named, memory
+    kinds included (``in_shardings``/``out_shardings`` from the placed
+    arrays' ``.sharding``): jax then hands a host output only a donated host
+    buffer, and the host state is updated in place. Without them jax matches
+    buffers by shape alone, and a host output may get a device buffer.
 
     >>> opt = offload_optimizer(optax.adamw(1e-3), master_dtype=jnp.float32, grad_clip=1.0)
     >>> params = {"w": jnp.ones((2, 3), jnp.bfloat16)}

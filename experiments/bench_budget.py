@@ -132,7 +132,12 @@ def child(spec: dict) -> None:
             new_p, s = opt.apply(grads, s, p)
             return value, new_p, s
 
-        compiled = jax.jit(step, donate_argnums=(0,)).lower(params, state, x, y).compile()
+        # Every sharding named, memory kinds included, so that the donated host state is
+        # updated in place (jax matches a donated buffer to an output of its memory kind).
+        where = lambda tree: jax.tree_util.tree_map(lambda a: a.sharding, tree)  # noqa: E731
+        compiled = jax.jit(step, in_shardings=(where(params), where(state), x.sharding, y.sharding),
+                           out_shardings=(x.sharding, where(params), where(state)),
+                           donate_argnums=(0, 1)).lower(params, state, x, y).compile()
 
         def run(carry):
             value, p, s = compiled(carry[0], carry[1], x, y)

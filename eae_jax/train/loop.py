@@ -163,16 +163,18 @@ def _train_locked(cfg: TrainConfig, store: CheckpointStore, log_fn, until: Optio
     data_sharding = sharding.tokens_sharding()
 
     if offloaded:
-        # The state's chunks stay in host memory. Nothing is donated: an output
-        # kept in host memory may be handed a donated device buffer otherwise.
+        # The state's chunks stay in host memory. The step donates the state with every
+        # leaf's sharding named, memory kind included: jax then hands a host output only a
+        # donated host buffer, and the host state is updated in place instead of held twice.
         opt_state = tx.place(state.opt_state, sharding.replicated())
         state = unalias(jax.device_put(state._replace(opt_state=None), sharding.replicated()))
         state = state._replace(opt_state=opt_state)
+        state_sh = jax.tree_util.tree_map(lambda leaf: leaf.sharding, state)
 
     def jit_step(run_stack, bound):
         """The jitted train step of ``run_stack`` (with fp8 seams ``bound``, or None)."""
         fn = make_train_step(cfg, run_stack, tx, model, bound, param_shardings=None if offloaded else state_sh.params)
-        return jax.jit(fn) if offloaded else sharding.jit_step(fn, state_sh)
+        return sharding.jit_step(fn, state_sh)
 
     step_fn = jit_step(stack, bound_fp8)
     # Delayed gradient scaling needs scales observed by a step first: the

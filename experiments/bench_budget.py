@@ -11,8 +11,9 @@ Sections (``--sections``):
   memory, ``policy='dots'``, everything kept: plain autodiff's residuals),
   plain JAX (``plain_stack``) and ``jax.checkpoint`` remat of every block.
 * ``torch``: the torch reference block under ``torch.compile`` with
-  ``activation_memory_budget`` (bench_stack's T-compile-b* variants and
-  its child process).
+  ``activation_memory_budget`` at each of ``--torch-budgets`` (fractions;
+  bench_stack's child process). Per GiB budget the report names the fastest
+  JAX and torch.compile variants whose measured peak fits, against the plan.
 * ``7b``: dim 4096, depth 32, batch 1: the planned step with AdamW whose
   state and fp32 master weights the plan may move to pinned host memory
   (`eae_jax.offload_optim`), under ``--budget-7b`` GiB.
@@ -53,7 +54,8 @@ import bench_common as bc  # noqa: E402
 
 GIB = 1 << 30
 UNIFORM = ("slots", "device", "host", "dots", "everything")
-TORCH_VARIANTS = ("T-compile-b0.1", "T-compile-b0.3", "T-compile-b0.5")
+#: torch.compile's activation_memory_budget fractions: dense enough that every GiB budget has one near it.
+TORCH_BUDGETS = "0.1,0.2,0.3,0.4,0.5,0.7"
 
 
 def config(smoke: bool, big: bool = False) -> bc.StackConfig:
@@ -266,7 +268,8 @@ def variants(args, cfg, plans):
         out += [{**base, "variant": f"uniform-{o}", "kind": "uniform", "runs": [[cfg.depth, o]]} for o in UNIFORM]
         out += [{**base, "variant": "J-plain", "kind": "plain"}, {**base, "variant": "J-remat", "kind": "remat"}]
     if "torch" in args.sections:
-        for name in TORCH_VARIANTS:
+        for fraction in args.torch_budgets:
+            name = f"T-compile-b{fraction:g}"
             out.append({**base, "variant": name, "torch": True, "workdir": args.workdir, "sdpa_backend": "flash",
                         "require_gpu": not args.smoke, "check": False})
     if args.variants:
@@ -316,6 +319,36 @@ def summarize(rows):
     return table
 
 
+def budget_verdicts(doc):
+    """Per GiB budget: the plan against the fastest uniform storage or plain JAX variant
+    and the fastest torch.compile budget whose measured peak fits (ratio: other / plan ms,
+    above 1: the plan is faster)."""
+    table, out = doc["table"], []
+
+    def peak(row):  # the allocator's; the compiled step's where the backend keeps no statistics (CPU)
+        return row.get("peak_gib") if row.get("peak_gib") is not None else row.get("compiled_peak_gib")
+
+    def fastest(prefixes, budget_gib):
+        fits = [(row["median_ms"], name) for name, row in table.items()
+                if name.startswith(prefixes) and row["status"] == "ok" and row["median_ms"] is not None
+                and peak(row) is not None and peak(row) <= budget_gib]
+        return min(fits) if fits else (None, None)
+
+    for b in doc["budgets"]:
+        plan = table.get(f"plan-{b:g}GiB")
+        if plan is None or plan["status"] != "ok":
+            continue
+        row = {"budget_gib": b, "plan_ms": plan["median_ms"], "plan_peak_gib": peak(plan),
+               "plan_fits": peak(plan) is not None and peak(plan) <= b}
+        for key, prefixes in (("jax", ("uniform-", "J-")), ("torch", ("T-",))):
+            ms, name = fastest(prefixes, b)
+            row[key] = name
+            row[f"{key}_ms"] = ms
+            row[f"{key}_over_plan"] = None if ms is None else ms / plan["median_ms"]
+        out.append(row)
+    return out
+
+
 def render(doc) -> str:
     lines = [f"{'variant':<22} {'step ms':>9} {'peak GiB':>9} {'compiled GiB':>13} {'predicted GiB':>14}"]
     for name, row in doc["table"].items():
@@ -326,6 +359,16 @@ def render(doc) -> str:
         f = lambda v, w: f"{v:>{w}.3f}" if v is not None else " " * (w - 1) + "-"  # noqa: E731
         lines.append(f"{name:<22} {f(row['median_ms'], 9)} {f(row['peak_gib'], 9)} {f(row['compiled_peak_gib'], 13)}"
                      f" {f(pred, 14)}")
+    verdicts = doc.get("verdicts") or []
+    if verdicts:
+        lines += ["", "per budget: the fastest variant whose peak fits, its ms / the plan's (above 1: plan faster)",
+                  f"{'budget':>7} {'plan ms':>8} {'fits':>5}  {'fastest JAX (uniform, J-)':<26} {'ratio':>6}  "
+                  f"{'fastest torch.compile':<22} {'ratio':>6}"]
+        for v in verdicts:
+            r = lambda x: f"{x:6.3f}" if x is not None else "     -"  # noqa: E731
+            lines.append(f"{v['budget_gib']:>7g} {v['plan_ms']:>8.2f} {str(v['plan_fits']):>5}  "
+                         f"{v['jax'] or '-':<26} {r(v['jax_over_plan'])}  {v['torch'] or '-':<22} "
+                         f"{r(v['torch_over_plan'])}")
     for b, p in doc["plans"].items():
         if isinstance(p, dict) and "refused" in p:
             lines.append(f"budget {b} GiB refused: {p['refused']}")
@@ -359,6 +402,7 @@ def plot(doc, path) -> None:
 def write(doc, out) -> None:
     os.makedirs(out, exist_ok=True)
     doc["table"] = summarize(doc["rows"])
+    doc["verdicts"] = budget_verdicts(doc)
     tmp = os.path.join(out, "bench_budget.json.tmp")
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1, default=str)
@@ -376,6 +420,8 @@ def parse_args(argv=None):
     p.add_argument("--options", default=None, help="the planner's options by name (default: all of default_options)")
     p.add_argument("--timing", default=None, choices=("flops", "profile"),
                    help="how the planner prices time (measure_costs; default profile, smoke flops)")
+    p.add_argument("--torch-budgets", default=TORCH_BUDGETS,
+                   help=f"torch.compile activation_memory_budget fractions, comma list (default {TORCH_BUDGETS})")
     p.add_argument("--budget-7b", type=float, default=60.0, help="GiB for the 7b section")
     p.add_argument("--repeats", type=int, default=1, help="processes per variant")
     p.add_argument("--steps", type=int, default=None, help="timed steps per process (default 8; smoke 2)")
@@ -395,6 +441,9 @@ def parse_args(argv=None):
         p.error(f"unknown sections {bad}; valid: budgets, torch, 7b")
     default = "0.0016,0.002,0.003" if args.smoke else "4,5,6,8,12"
     args.budgets = [float(b) for b in (args.budgets or default).split(",")]
+    args.torch_budgets = [float(f) for f in args.torch_budgets.split(",") if f]
+    if any(not 0 < f <= 1 for f in args.torch_budgets):
+        p.error(f"--torch-budgets: fractions in (0, 1], got {args.torch_budgets}")
     args.steps = args.steps or (2 if args.smoke else 8)
     args.timing = args.timing or ("flops" if args.smoke else "profile")
     return args

@@ -71,7 +71,7 @@ def main(spec_path: str) -> None:
         spec = json.load(f)
     t_start = time.perf_counter()
     cfg = bc.StackConfig(**spec["config"])
-    variant = bc.VARIANTS[spec["variant"]]
+    variant = bc.variant(spec["variant"])
     workdir = spec["workdir"]
     try:
         import torch

@@ -208,6 +208,26 @@ DEFAULT_VARIANTS = {
 
 
 # ---------------------------------------------------------------------------- bf16 bits
+def variant(name: str) -> dict:
+    """``VARIANTS[name]``, or for ``T-compile-b<fraction>`` (any fraction in (0, 1]) the
+    torch.compile variant with that ``activation_memory_budget``.
+
+    >>> variant("T-compile-b0.25")["budget"]
+    0.25
+    """
+    if name in VARIANTS:
+        return VARIANTS[name]
+    if name.startswith("T-compile-b"):
+        try:
+            fraction = float(name[len("T-compile-b"):])
+        except ValueError:
+            fraction = None
+        if fraction is not None and 0 < fraction <= 1:
+            return {"kind": "torch", "mode": "compile-budget", "budget": fraction,
+                    "doc": f"T-compile with torch._functorch.config.activation_memory_budget = {fraction:g}"}
+    raise KeyError(f"unknown variant {name!r}: one of {sorted(VARIANTS)} or T-compile-b<fraction in (0, 1]>")
+
+
 def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
     """Round float32 values to bf16 (nearest, ties to even); return the uint16 bit patterns."""
     u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_TRAIN, quiet
+from conftest import TINY_TRAIN, compiling_fast, quiet
 from eae_jax.models.llama import lm_stack
 from eae_jax.train import CheckpointError, TrainConfig, init_state, lr_schedule, make_optimizer, make_train_step, train
 from eae_jax.train.checkpoint import CheckpointStore
@@ -289,7 +289,8 @@ def test_kill_between_checkpoints_resumes_with_one_record_per_step(tmp_path, fas
 def finished_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("finished") / "run")
     cfg = dict(TINY_TRAIN, steps=2, checkpoint_every=1)
-    train(TrainConfig(out=out, **cfg), log_fn=quiet)
+    with compiling_fast():
+        train(TrainConfig(out=out, **cfg), log_fn=quiet)
     return out, cfg
 
 
@@ -317,7 +318,7 @@ def test_resuming_a_finished_run_reports_its_logged_losses(finished_run):
     assert np.isfinite(summary["final_loss"])
 
 
-def test_resume_with_more_steps_says_how_the_learning_rate_moves(finished_run):
+def test_resume_with_more_steps_says_how_the_learning_rate_moves(finished_run, fast_compiles):
     # The cosine schedule is rebuilt for the new length: the rate at the
     # resumed step jumps, which used to happen without a word.
     out, cfg = finished_run

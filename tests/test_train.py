@@ -51,7 +51,7 @@ def _template(base):
     return init_state(cfg, model, stack, make_optimizer(cfg))
 
 
-def test_microbatching_matches_one_big_batch():
+def test_microbatching_matches_one_big_batch(fast_compiles):
     results = {}
     for micro, accum in [(1, "fp32"), (4, "fp32"), (4, "bf16")]:
         cfg = TrainConfig(preset="tiny", batch=8, microbatches=micro, grad_accum_dtype=accum, lr=1e-2, grad_clip=None)

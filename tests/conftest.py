@@ -6,6 +6,7 @@ import rel_err``) or use the fixtures by name.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -70,13 +71,23 @@ def load_experiment(name: str):
     return module
 
 
+@contextlib.contextmanager
+def compiling_fast():
+    """XLA without most optimizations inside the block (`fast_compiles` for a module- or
+    session-scoped fixture)."""
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+
+
 @pytest.fixture
 def fast_compiles():
     """XLA without most optimizations, for tests that check that a run goes through (or
     fails as it should), not its speed: compiles take about a third of the time."""
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", False)
+    with compiling_fast():
+        yield
 
 
 def quiet(*args, **kwargs):
@@ -188,7 +199,8 @@ def tiny_run(tmp_path_factory):
     from eae_jax.train import TrainConfig, train
 
     out = str(tmp_path_factory.mktemp("tiny_run"))
-    train(TrainConfig(preset="tiny", steps=2, batch=2, seq_len=16, out=out, log_every=1), log_fn=lambda m: None)
+    with compiling_fast():  # its readers check what it wrote, not how fast it trained
+        train(TrainConfig(preset="tiny", steps=2, batch=2, seq_len=16, out=out, log_every=1), log_fn=lambda m: None)
     return out
 
 

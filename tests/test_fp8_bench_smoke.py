@@ -3,6 +3,7 @@ works the first time) and its results say what they should."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -13,14 +14,31 @@ def _load():
     return load_experiment("bench_fp8")
 
 
+def _optimized(section):
+    """``section`` compiled with XLA's optimizations on again, inside a test that turned most of them off
+    (`fast_compiles`): the section's checks read the optimized HLO (its conditionals)."""
+    def run(args):
+        jax.config.update("jax_disable_most_optimizations", False)
+        try:
+            return section(args)
+        finally:
+            jax.config.update("jax_disable_most_optimizations", True)
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::eae_jax.fp8.Fp8FallbackWarning")  # delayed scaling's first steps may fall back
-def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
+def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch, fast_compiles):
     monkeypatch.setenv("OUT", str(tmp_path))
     # Every section, FFN variants of each kind (guards on / off, current /
     # delayed gradient scales, per-channel / delayed weight scales, per-row
     # activation scales); the cast-weight variants have their own test below.
-    _load().main(["--smoke", "--ffn-variants", "static,static-u-d,delayedw-d,delayedw-u-d,row"])
+    # The FFN and training sections check lowered programs and numbers only:
+    # they compile without most optimizations (a third of the compile time).
+    bench = _load()
+    monkeypatch.setattr(bench, "e2e_section", _optimized(bench.e2e_section))
+    bench.main(["--smoke", "--ffn-variants", "static,static-u-d,delayedw-d,delayedw-u-d,row"])
     res = json.loads((tmp_path / "bench_fp8_smoke.json").read_text())
     assert set(res) >= {"env", "ffn", "e2e", "train"}
     for section in ("ffn", "e2e", "train"):
@@ -58,7 +76,7 @@ def test_bench_smoke_runs_and_writes_json(tmp_path, monkeypatch):
     assert len(train["bf16"]["losses"]) == train["config"]["steps"]
 
 
-def test_e2e_weight_scaling_variants(tmp_path, monkeypatch):
+def test_e2e_weight_scaling_variants(tmp_path, monkeypatch, fast_compiles):
     # The '+delayedw' / '+castw' steps run, count every call, never clip,
     # and delayed weight scales follow the weights the steps train.
     monkeypatch.setenv("OUT", str(tmp_path))

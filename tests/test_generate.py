@@ -79,7 +79,7 @@ def test_text_prompt_streams_decoded_text(bin_model, tmp_path, capsys):
     assert _ids(capsys.readouterr().out) == generate(params, cfg, list("hé!".encode()), 20).tokens.tolist()
 
 
-def test_a_training_run_and_its_saved_tokenizer(tiny_run, capsys):
+def test_a_training_run_and_its_saved_tokenizer(tiny_run, capsys, fast_compiles):
     from eae_jax.train import TrainConfig
     from eae_jax.train import checkpoint as ckpt
     from eae_jax.train.loop import build

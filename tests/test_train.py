@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_TRAIN, quiet
+from conftest import TINY_TRAIN, compiling_fast, quiet
 from eae_jax.models.llama import lm_stack
 from eae_jax.train import CheckpointError, TrainConfig, init_state, lr_schedule, make_optimizer, make_train_step, train
 from eae_jax.train.checkpoint import CheckpointStore
 from eae_jax.train.data import TokenFile
 
 
-def test_tiny_run_learns_and_resumes_bit_exactly(tmp_path):
+def test_tiny_run_learns_and_resumes_bit_exactly(tmp_path, fast_compiles):
     base = dict(preset="tiny", steps=40, log_every=10, checkpoint_every=20, warmup=5, lr=3e-3)
     full = train(TrainConfig(out=str(tmp_path / "full"), **base), log_fn=quiet)
     assert full["final_loss"] < 0.7 * full["first_loss"], full
@@ -51,7 +51,7 @@ def _template(base):
     return init_state(cfg, model, stack, make_optimizer(cfg))
 
 
-def test_microbatching_matches_one_big_batch():
+def test_microbatching_matches_one_big_batch(fast_compiles):
     results = {}
     for micro, accum in [(1, "fp32"), (4, "fp32"), (4, "bf16")]:
         cfg = TrainConfig(preset="tiny", batch=8, microbatches=micro, grad_accum_dtype=accum, lr=1e-2, grad_clip=None)
@@ -73,7 +73,7 @@ def test_microbatching_matches_one_big_batch():
     assert float(gb) != float(g1)
 
 
-def test_cli_train_subcommand(tmp_path, capsys):
+def test_cli_train_subcommand(tmp_path, capsys, fast_compiles):
     from eae_jax.cli import main
 
     code = main(["train", "--synthetic", "--steps", "3", "--out", str(tmp_path), "--log-every", "1", "--batch", "4",
@@ -90,7 +90,7 @@ def test_cli_train_subcommand(tmp_path, capsys):
     assert np.all(after[1:] <= 0.001 * (1 + 1e-3)) and before[0] == 0.0  # token ids take no adjoint
 
 
-def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path):
+def test_fp8_run_counts_every_seam_call_and_tracks_bf16(tmp_path, fast_compiles):
     base = dict(preset="tiny", steps=12, log_every=12, checkpoint_every=100, warmup=3)
     bf16 = train(TrainConfig(dtype="bf16", out=str(tmp_path / "bf16"), **base), log_fn=quiet)
     f8 = train(TrainConfig(dtype="fp8_e4m3", out=str(tmp_path / "fp8"), **base), log_fn=quiet)
@@ -153,7 +153,7 @@ def test_bad_config_errors():
         parse_passes("int8,int4")
 
 
-def test_delayed_grad_scaling_gives_up_when_scales_stay_unobserved(tmp_path, monkeypatch):
+def test_delayed_grad_scaling_gives_up_when_scales_stay_unobserved(tmp_path, monkeypatch, fast_compiles):
     """A seam that keeps falling back never observes its gradients: the run
     stays with current scaling after a few steps and says so."""
     from eae_jax.train import loop
@@ -170,7 +170,7 @@ def test_delayed_grad_scaling_gives_up_when_scales_stay_unobserved(tmp_path, mon
 
 
 @pytest.mark.filterwarnings("ignore::eae_jax.fp8.Fp8FallbackWarning")  # the forced fallbacks are said once per seam
-def test_step_fallback_reruns_failed_steps_in_high_precision(tmp_path, monkeypatch):
+def test_step_fallback_reruns_failed_steps_in_high_precision(tmp_path, monkeypatch, fast_compiles):
     """fp8_fallback='step': a step whose checks fail is dropped and rerun
     without fp8 (forced here on every step: the run then equals the bf16
     run, and every seam call is counted as a fallback). With nothing failing
@@ -261,7 +261,7 @@ def test_out_path_that_is_a_file_fails_before_training(tmp_path, blocker):
         train(TrainConfig(out=str(tmp_path / "out"), steps=2, **TINY_TRAIN), log_fn=quiet)
 
 
-def test_kill_between_checkpoints_resumes_with_one_record_per_step(tmp_path):
+def test_kill_between_checkpoints_resumes_with_one_record_per_step(tmp_path, fast_compiles):
     out = str(tmp_path / "run")
     cfg = dict(TINY_TRAIN, steps=8, checkpoint_every=3, log_every=5)
     # A run killed after step 5: checkpoints at 3 (and the one `until` wrote at 5,
@@ -289,7 +289,8 @@ def test_kill_between_checkpoints_resumes_with_one_record_per_step(tmp_path):
 def finished_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("finished") / "run")
     cfg = dict(TINY_TRAIN, steps=2, checkpoint_every=1)
-    train(TrainConfig(out=out, **cfg), log_fn=quiet)
+    with compiling_fast():
+        train(TrainConfig(out=out, **cfg), log_fn=quiet)
     return out, cfg
 
 
@@ -317,7 +318,7 @@ def test_resuming_a_finished_run_reports_its_logged_losses(finished_run):
     assert np.isfinite(summary["final_loss"])
 
 
-def test_resume_with_more_steps_says_how_the_learning_rate_moves(finished_run):
+def test_resume_with_more_steps_says_how_the_learning_rate_moves(finished_run, fast_compiles):
     # The cosine schedule is rebuilt for the new length: the rate at the
     # resumed step jumps, which used to happen without a word.
     out, cfg = finished_run
@@ -332,7 +333,7 @@ def test_resume_with_more_steps_says_how_the_learning_rate_moves(finished_run):
     assert not [m for m in said if "steps changed" in m]
 
 
-def test_nonfinite_state_is_never_checkpointed(tmp_path):
+def test_nonfinite_state_is_never_checkpointed(tmp_path, fast_compiles):
     out = str(tmp_path / "run")
     # lr 1e30 blows the params up after a couple of steps; log_every is past them,
     # so only the checkpoint guard sees it (it used to save the NaN params).

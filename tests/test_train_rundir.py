@@ -6,11 +6,10 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
-from conftest import TINY_TRAIN, damage_checkpoint, quiet
+from conftest import TINY_TRAIN, compiling_fast, damage_checkpoint, quiet
 from eae_jax.train import CheckpointError, TrainConfig, train
 from eae_jax.train import legacy_npz
 from eae_jax.train.checkpoint import CheckpointStore
@@ -63,11 +62,8 @@ def test_a_lock_held_by_another_live_process_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def _two_checkpoints(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("made") / "run")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
+    with compiling_fast():
         train(TrainConfig(out=out, steps=4, checkpoint_every=2, **TINY_TRAIN), log_fn=quiet, until=4)
-    finally:
-        jax.config.update("jax_disable_most_optimizations", False)
     return out
 
 

@@ -170,7 +170,7 @@ def test_init_refuses_a_tokenizer_with_more_ids_than_the_model(tiny_run, notes, 
         train(TrainConfig(init=tiny_run, text=[notes], seq_len=SEQ, out=str(tmp_path / "ft")), log_fn=quiet)
 
 
-def test_a_token_file_fine_tune_keeps_the_init_models_tokenizer(notes, tmp_path, capsys):
+def test_a_token_file_fine_tune_keeps_the_init_models_tokenizer(notes, tmp_path, capsys, fast_compiles):
     text_run = str(tmp_path / "text")
     train(TrainConfig(preset="tiny", text=[notes], seq_len=SEQ, batch=2, steps=1, out=text_run, plot=False,
                       tensorboard=False), log_fn=quiet)

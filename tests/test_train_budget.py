@@ -115,10 +115,10 @@ def test_a_run_whose_optimizer_state_moves_to_host_memory_trains_and_resumes_lik
         tmp_path, fast_compiles):
     from eae_jax.train import TrainConfig, train
 
-    def run(out, budget, steps):
+    def run(out, budget, steps, log_fn=lambda m: None):
         return train(TrainConfig(preset="tiny", batch=2, seq_len=8, steps=steps, out=str(tmp_path / out),
                                  memory_budget=budget, log_every=1, checkpoint_every=2, plot=False,
-                                 tensorboard=False), log_fn=lambda m: None)
+                                 tensorboard=False), log_fn=log_fn)
 
     on_device = run("device", "1", 3)
     plan = on_device["memory_plan"]
@@ -127,8 +127,13 @@ def test_a_run_whose_optimizer_state_moves_to_host_memory_trains_and_resumes_lik
     budget = str(plan["floor"] + plan["reserved_for_grad_accumulator"] - 1)
     part = run("host", budget, 2)
     assert part["memory_plan"]["optimizer_in_host_memory"]
-    done = run("host", budget, 3)  # resumes from the step-2 checkpoint
+    said = []
+    done = run("host", budget, 3, said.append)  # resumes from the step-2 checkpoint
     assert done["resumed_from"] and done["steps_run"] == 1
+    # the resumed run plans from the costs the first one measured, to the same plan
+    assert [m for m in said if m.startswith("memory costs reused from")]
+    assert done["memory_plan"]["segments"] == part["memory_plan"]["segments"]
+    assert done["memory_plan"]["peak"] == part["memory_plan"]["peak"]
     losses = [r["loss"] for r in map(json.loads, open(tmp_path / "host" / "log.jsonl")) if "loss" in r]
     want = [r["loss"] for r in map(json.loads, open(tmp_path / "device" / "log.jsonl")) if "loss" in r]
     np.testing.assert_allclose(losses, want, rtol=1e-6)

@@ -317,15 +317,21 @@ def build(cfg: TrainConfig, source: Optional[TokenFile] = None, params: Optional
 def _plan_memory(cfg: TrainConfig, model, bound, params, tx, sharding: Optional[RunSharding], log_fn):
     """The `RunPlan` of a ``--memory-budget`` run, per device (on a mesh: the run's layout)."""
     from eae_jax.train.budget import host_adamw, parse_memory_budget, plan_run
+    from eae_jax.train.costs_cache import costs_key, load_costs, save_costs
 
     micro = cfg.batch // cfg.microbatches
     planning = None if sharding is None else sharding.planning(params, fp8=bound is not None)
-    return plan_run(parse_memory_budget(cfg.memory_budget), make_stack(cfg, model, bound),
-                    segment_params(params, None if bound is None else bound.state, model), micro, cfg.seq_len,
-                    tx, params, parse_compute_dtype(cfg.grad_accum_dtype),
-                    make_stack=lambda storages: make_stack(cfg, model, bound, None, storages),
-                    host_tx=lambda: host_adamw(lr_schedule(cfg), cfg.weight_decay, cfg.grad_clip),
-                    mesh=planning, loss=cross_entropy, log_fn=log_fn)
+    key = costs_key(cfg)
+    costs = load_costs(cfg.out, key, log_fn)  # a resumed run skips the probes
+    run_plan = plan_run(parse_memory_budget(cfg.memory_budget), make_stack(cfg, model, bound),
+                        segment_params(params, None if bound is None else bound.state, model), micro, cfg.seq_len,
+                        tx, params, parse_compute_dtype(cfg.grad_accum_dtype),
+                        make_stack=lambda storages: make_stack(cfg, model, bound, None, storages),
+                        host_tx=lambda: host_adamw(lr_schedule(cfg), cfg.weight_decay, cfg.grad_clip),
+                        mesh=planning, loss=cross_entropy, log_fn=log_fn, costs=costs)
+    if costs is None:
+        save_costs(cfg.out, key, run_plan.plan.costs)
+    return run_plan
 
 
 def make_stack(cfg: TrainConfig, model, bound_fp8=None, sharding: Optional[RunSharding] = None, storage=None):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import run_worker
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import eae_jax
@@ -25,7 +26,7 @@ from eae_jax.passes import clip_by_norm
 from eae_jax.reconstruct import (BudgetError, Costs, MemoryBudget, OnDevice, Policy, default_options, make_plan,
                                  plan_memory, runtime_reserve)
 from eae_jax.reconstruct.budget import ACCELERATOR_RESERVE, _data_parallel, planned_for, step_peak
-from eae_jax.reconstruct.costs import OptionCost, SegmentCosts
+from eae_jax.reconstruct.costs import OptionCost, SegmentCosts, measure_costs
 from eae_jax.reconstruct.planner import fmt_bytes
 
 
@@ -39,13 +40,13 @@ TARGET = jnp.ones((2, 8))
 DEVICE = [o for o in default_options() if o.name == "device"]
 
 
-def tiny_costs(segments=((4, True),)) -> Costs:
+def tiny_costs(segments=((4, True),), base_peak=300) -> Costs:
     """Segments of (depth, scanned) whose only option is "device"; for one scanned segment of 4 blocks
-    the predicted peak is 500 bytes (the floor): fixed 300 - 2 * 100, plus 4 blocks of 50 working and
-    50 kept bytes."""
+    the predicted peak is ``base_peak + 200`` bytes (the floor; 500 by default): fixed ``base_peak - 2 *
+    100``, plus 4 blocks of 50 working and 50 kept bytes."""
     segs = [SegmentCosts(f"segment{i}", depth, scanned, {"device": OptionCost(100, 50, 0, 1e-3, 0)})
             for i, (depth, scanned) in enumerate(segments)]
-    return Costs(segs, "device", 300, 1e-2, 1024, 1024, "flops", "cpu")
+    return Costs(segs, "device", base_peak, 1e-2, 1024, 1024, "flops", "cpu")
 
 
 FLOOR = 500
@@ -127,6 +128,31 @@ def test_plan_memory_hands_the_optimizer_state_to_the_planner():
     assert str(err.value) == "give optimizer or optimizer_bytes, not both"
 
 
+def test_plan_memory_measures_the_costs_it_is_not_given():
+    stack, seen = eae_jax.reconstruct(lambda w, x, s: jnp.tanh(x @ w * s)), []
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def shardings(p_spec, x_spec):
+        seen.append((p_spec.shape, x_spec.shape))
+        return (rep, NamedSharding(mesh, PartitionSpec("data")), rep, rep)
+
+    # a stack that runs plain autodiff where the plan says "device"
+    wrap = lambda stores: [Policy("everything") if isinstance(s, OnDevice) else s for s in stores]  # noqa: E731
+    kw = dict(loss=lambda out, t: jnp.sum(out * jnp.mean(t)), loss_args=(jnp.ones((32, 32)),), options=DEVICE,
+              in_shardings=shardings, wrap=wrap)
+    side = jnp.ones(8)
+    plan = plan_memory(stack, PARAMS, X, 1 << 30, side, verify=False, **kw)
+    assert plan.costs == measure_costs(stack, PARAMS, X, side, **kw) and seen and {xs for _, xs in seen} == {(2, 8)}
+    assert plan.costs.timing == "flops" and list(plan.costs.segments[0].options) == ["device"]
+    with pytest.raises(ValueError) as err:
+        plan_memory(stack, PARAMS, X, 1 << 30, side, timing="guess", **kw)
+    assert str(err.value) == "timing must be one of ('flops', 'profile'), got 'guess'"
+    with pytest.raises(ValueError) as err:
+        plan_memory(stack, PARAMS, X, 1 << 30, side, mesh=mesh, **kw)
+    assert str(err.value) == "give mesh (data parallel) or in_shardings, not both"
+
+
 def test_plan_memory_verifies_once_when_the_compiled_step_fits_exactly():
     stack, costs, calls = eae_jax.reconstruct(block), tiny_costs(), []
     loss = counting(lambda out, t: jnp.sum((out - t) ** 2), calls)
@@ -155,15 +181,15 @@ def test_plan_memory_sets_aside_what_the_compiled_step_needs_beyond_the_predicti
 
 
 def test_plan_memory_refuses_a_step_still_over_the_budget_after_three_plans():
-    stack, costs, calls = eae_jax.reconstruct(block), tiny_costs(), []
     want = reference_peak(eae_jax.reconstruct(block, storage=OnDevice()))
+    stack, costs, calls = eae_jax.reconstruct(block), tiny_costs(base_peak=want - 204), []  # floor: want - 4
     loss = counting(sum_loss, calls)
-    # one byte short: each plan sets aside one byte more and is the same plan (the floor stays far below)
+    # one byte short: each plan sets aside one byte more and is the same plan, the last at the floor exactly
     with pytest.raises(BudgetError) as err:
         plan_memory(stack, PARAMS, X, want + 10 - 1, loss=loss, reserve=10, options=DEVICE, costs=costs)
     assert str(err.value) == (f"memory budget {fmt_bytes(want + 9)}: the compiled step still needs {fmt_bytes(want)} "
                               f"+ {fmt_bytes(10)} kept free after 3 plans, each leaving what the last one needed "
-                              f"beyond its prediction unused (predicted {fmt_bytes(FLOOR)})")
+                              f"beyond its prediction unused (predicted {fmt_bytes(want - 4)})")
     assert calls == [0, 0, 0, 0]  # the first plan and three more, each compiled
 
 
@@ -184,7 +210,11 @@ def test_planned_for_plans_once_per_input_shapes_with_the_budgets_options():
     others = [planned_for(stack, plans, PARAMS, jnp.ones((3, 8))), planned_for(stack, plans, PARAMS, X.astype(jnp.bfloat16)),
               planned_for(stack, plans, [PARAMS], X), planned_for(stack, plans, PARAMS, X, (1.0,)),
               planned_for(stack, plans, PARAMS, X, jnp.ones(2))]
-    assert len(plans) == 7 and len({id(p) for p in [plan, side, *others]}) == 7
+    others += [planned_for(stack, plans, jnp.ones((5, 8, 8)), X), planned_for(stack, plans, PARAMS.astype(jnp.bfloat16), X)]
+    assert len(plans) == 9 and len({id(p) for p in [plan, side, *others]}) == 9
+    # shapes alone (as plan_memory takes them) find the plan of the arrays
+    shapes = jax.eval_shape(lambda *a: a, PARAMS, X, jnp.float32(2))
+    assert planned_for(stack, plans, *shapes) is side and len(plans) == 9
 
 
 def test_planned_for_hands_on_the_loss_and_verifies():
@@ -195,6 +225,13 @@ def test_planned_for_hands_on_the_loss_and_verifies():
     budget = MemoryBudget(1 << 20, loss=loss, loss_args=(TARGET,), options=DEVICE, costs=costs)
     plan = planned_for(eae_jax.reconstruct(block, memory_budget=budget), {}, PARAMS, X)
     assert plan.compiled_peak == want and calls == [1]
+    # the side input reaches the verifying compile
+    sided = lambda w, x, s: jnp.tanh(x @ w * s)  # noqa: E731
+    plain = eae_jax.reconstruct(sided, storage=OnDevice())
+    want = peak_of(jax.jit(lambda p, x, s, t: jax.value_and_grad(lambda q: loss(plain(q, x, side=s), t))(p)).lower(
+        PARAMS, X, jnp.ones(8), TARGET).compile())
+    plan = planned_for(eae_jax.reconstruct(sided, memory_budget=budget), {}, PARAMS, X, jnp.ones(8))
+    assert plan.compiled_peak == want
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -279,3 +316,9 @@ def test_the_runtime_reserve_is_kept_on_accelerators_only():
     assert ACCELERATOR_RESERVE == 64 << 20
     for platform in ("gpu", "tpu"):
         assert runtime_reserve(types.SimpleNamespace(platform=platform)) == 64 << 20
+
+
+def test_a_data_parallel_mesh_reaches_the_verifying_compile(tmp_path):
+    # 2 CPU devices in a fresh process: the batch split over them, the params replicated
+    got = run_worker("budget_mesh", tmp_path, devices=2)
+    assert got["plan_memory"] == got["memory_budget"] == got["split"] < got["whole"], got

@@ -1,0 +1,153 @@
+"""Host-memory boundary storage (`eae_jax.reconstruct.host`) on tiny shapes:
+`Host.put` / `get` called directly, `HostUnrolled.bind` on hand-made
+layouts, and the unrolled forward and backward through small stacks
+against plain `jax.grad` and the on-device store (gradients, pass state,
+per-boundary statistics, block states, float0 gradients of int params).
+
+`test_offload.py` checks the placement in traced, lowered and compiled
+programs on a larger block; this file is the fast one (a few seconds).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eae_jax
+from eae_jax.passes import at_layers, chain, clip_by_norm, decay, int8_fake_quant
+from eae_jax.reconstruct import Host, HostUnrolled, OnDevice, Segment, SegmentLayout
+
+
+def block(p, x):
+    return x + jnp.tanh(x @ p["w"]) * (1.0 + p["n"])
+
+
+def params_of(depth, seed=0):
+    return {"w": 0.5 * jax.random.normal(jax.random.key(seed), (depth, 8, 8)),
+            "n": jnp.arange(depth, dtype=jnp.int32)}
+
+
+X = jax.random.normal(jax.random.key(7), (2, 8))
+SPEC = jax.ShapeDtypeStruct((2, 8), jnp.float32)
+
+
+def layout(scanned, depth, first=0):
+    one = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32), "n": jax.ShapeDtypeStruct((), jnp.int32)}
+    return SegmentLayout(Segment(block, "block", scanned), depth, one, SPEC, None, first)
+
+
+def test_host_put_places_a_boundary_in_pinned_host_memory_and_get_brings_it_back():
+    for dtype, stored_dtype in ((None, jnp.float32), ("bfloat16", jnp.bfloat16)):
+        store = Host(dtype)
+        stored = jax.jit(store.put)(X)
+        assert stored.sharding.memory_kind == "pinned_host" and stored.dtype == stored_dtype
+        back = jax.jit(lambda s: store.get(s, SPEC))(stored)
+        assert back.sharding.memory_kind == "device" and back.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(X.astype(stored_dtype).astype(jnp.float32)))
+    ids = jnp.arange(4, dtype=jnp.int32)  # an int boundary is stored as it is
+    assert jax.jit(Host("bfloat16").put)(ids).dtype == jnp.int32
+
+
+def test_host_storage_refuses_grad_of_grad_by_name():
+    stack = eae_jax.reconstruct(block, storage=Host())
+    params = params_of(3)
+
+    def grad_norm(w):
+        g = jax.grad(lambda q: jnp.sum(stack({"w": q, "n": params["n"]}, X) ** 2))(w)
+        return jnp.sum(g ** 2)
+
+    with pytest.raises(ValueError) as err:
+        jax.grad(grad_norm)(params["w"])
+    assert str(err.value) == (
+        "eae_jax.reconstruct: differentiating the stack's backward pass (a higher-order derivative, e.g. grad of "
+        "grad) is not supported with host storage: boundaries stored in host memory carry no derivative. Build the "
+        "stack with offload=False (or storage=OnDevice() / Policy(...)) for higher-order derivatives.")
+
+
+def test_host_unrolled_serves_only_scanned_runs_of_at_least_one_block():
+    store = HostUnrolled("bfloat16")
+    assert store.bind(layout(True, 1)) is store and store.bind(layout(True, 3)) is store
+    for lay in (layout(True, 0), layout(False, 1)):
+        served = store.bind(lay)
+        assert type(served) is Host and served.dtype == np.dtype(jnp.bfloat16)
+
+
+def without_float0(tree):
+    """Float0 leaves (int params' gradients) as their shapes: chex compares no float0 arrays."""
+    return jax.tree_util.tree_map(lambda a: a.shape if a.dtype == jax.dtypes.float0 else a, tree)
+
+
+def plain_loss(params_list, x):
+    """The stack of `two_segments` written out: block 0 alone, then the scanned three."""
+    head, body = params_list
+    h = block(head, x)
+    for i in range(3):
+        h = block(jax.tree_util.tree_map(lambda a: a[i], body), h)
+    return jnp.sum(jnp.sin(h))
+
+
+def two_segments():
+    head = jax.tree_util.tree_map(lambda a: a[0], params_of(1, seed=3))
+    return [head, params_of(3)]
+
+
+def test_host_unrolled_gradients_equal_plain_autodiff_and_int_params_get_float0():
+    params = two_segments()
+    want_value, want = jax.value_and_grad(plain_loss, argnums=(0, 1), allow_int=True)(params, X)
+    for storage in (HostUnrolled(), [Host(), HostUnrolled()]):
+        stack = eae_jax.reconstruct([block, eae_jax.Scan(block)], storage=storage)
+        value, got = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(stack(p, x))), argnums=(0, 1),
+                                                allow_int=True))(params, X)
+        np.testing.assert_allclose(value, want_value, rtol=1e-6)
+        chex.assert_trees_all_close(without_float0(got), without_float0(want), rtol=1e-5, atol=1e-6)
+        assert got[0][1]["n"].dtype == jax.dtypes.float0 and got[0][1]["n"].shape == (3,)
+
+
+def carry_step(stack, params):
+    def loss(p, c, x):
+        return jnp.sum(jnp.sin(stack(p, x, c)))
+
+    @jax.jit
+    def step(p, c, x):
+        value, (gp, gc, gx) = jax.value_and_grad(loss, argnums=(0, 1, 2), allow_int=True)(p, c, x)
+        c2, stats = stack.update(c, gc)
+        return value, gp, gx, stack.state(c2), stats
+
+    return step(params, stack.init(params, X, jax.random.key(5)), X)
+
+
+def test_host_unrolled_runs_the_passes_at_each_boundary_like_the_device_store():
+    # bfloat16 boundaries (recomputed from in float32), a pass at boundary 2 only (the second block of the unrolled run, which starts at boundary 1),
+    # a stateful quantizer and a clip at every boundary: gradients, pass state and statistics
+    passes = chain(int8_fake_quant(), at_layers(decay(0.5), [2]), clip_by_norm(0.5))
+    params = two_segments()
+    got, want = (carry_step(eae_jax.reconstruct([block, eae_jax.Scan(block)], passes=passes, storage=s), params)
+                 for s in (HostUnrolled("bfloat16"), OnDevice("bfloat16")))
+    chex.assert_trees_all_close(without_float0(got), without_float0(want), rtol=1e-6, atol=1e-7)
+    assert got[4]["adjoint_norm"].shape == (5,) and bool(jnp.all(got[4]["adjoint_norm"] > 0))
+    # the decay acted at boundary 2: without it the gradients differ
+    other = carry_step(eae_jax.reconstruct([block, eae_jax.Scan(block)], passes=chain(
+        int8_fake_quant(), at_layers(decay(0.5), [3]), clip_by_norm(0.5)), storage=HostUnrolled("bfloat16")), params)
+    assert not np.allclose(other[1][0]["w"], got[1][0]["w"])
+
+
+def test_host_unrolled_returns_each_blocks_new_state():
+    def stateful(p, x):
+        return x + jnp.tanh(x @ p["w"]), p["count"] + jnp.sum(x)
+
+    params = {"w": params_of(3)["w"], "count": jnp.zeros((3,))}
+    outs = []
+    for storage in (HostUnrolled(), OnDevice()):
+        stack = eae_jax.reconstruct(stateful, block_state=True, storage=storage)
+        def run(p):
+            (y, states), vjp = jax.vjp(lambda q: stack(q, X), p)
+            return y, states, vjp((jnp.cos(y), jnp.zeros_like(states)))
+
+        outs.append(jax.jit(run)(params))
+    chex.assert_trees_all_close(outs[0], outs[1], rtol=1e-6, atol=1e-7)
+    h, counts = X, []
+    for i in range(3):
+        counts.append(jnp.sum(h))
+        h = h + jnp.tanh(h @ params["w"][i])
+    np.testing.assert_allclose(outs[0][1], np.asarray(counts), rtol=1e-6)

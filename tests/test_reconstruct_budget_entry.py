@@ -143,7 +143,8 @@ def test_plan_memory_measures_the_costs_it_is_not_given():
               in_shardings=shardings, wrap=wrap)
     side = jnp.ones(8)
     plan = plan_memory(stack, PARAMS, X, 1 << 30, side, verify=False, **kw)
-    assert plan.costs == measure_costs(stack, PARAMS, X, side, **kw) and seen and {xs for _, xs in seen} == {(2, 8)}
+    assert seen and {xs for _, xs in seen} == {(2, 8)}  # the probes compiled with the shardings given
+    assert plan.costs == measure_costs(stack, PARAMS, X, side, **kw)
     assert plan.costs.timing == "flops" and list(plan.costs.segments[0].options) == ["device"]
     with pytest.raises(ValueError) as err:
         plan_memory(stack, PARAMS, X, 1 << 30, side, timing="guess", **kw)
@@ -164,6 +165,11 @@ def test_plan_memory_verifies_once_when_the_compiled_step_fits_exactly():
     assert plan.compiled_peak == want + 100 and plan.optimizer == 100 and plan.reserve == 64
     assert calls == [1]  # one compile, the loss given its target
     assert plan.segments == make_plan(costs, want + 164, margin=64, options=DEVICE, optimizer_bytes=100).segments
+    # the verifying compile runs the wrapped storages
+    wrap = lambda stores: [Policy("everything")] * len(stores)  # noqa: E731
+    wrapped = plan_memory(stack, PARAMS, X, 1 << 20, options=DEVICE, costs=costs, wrap=wrap)
+    assert wrapped.compiled_peak == reference_peak(eae_jax.reconstruct(block, storage=Policy("everything")))
+    assert wrapped.storages == [OnDevice()]  # the plan keeps the unwrapped storages
 
 
 def test_plan_memory_sets_aside_what_the_compiled_step_needs_beyond_the_prediction():

@@ -8,6 +8,8 @@ per-boundary statistics, block states, float0 gradients of int params).
 programs on a larger block; this file is the fast one (a few seconds).
 """
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 import eae_jax
-from eae_jax.passes import at_layers, chain, clip_by_norm, decay, int8_fake_quant
+from eae_jax.passes import at_layers, chain, clip_by_norm, decay, gaussian_noise
 from eae_jax.reconstruct import Host, HostUnrolled, OnDevice, Segment, SegmentLayout
 
 
@@ -74,16 +76,25 @@ def test_host_unrolled_serves_only_scanned_runs_of_at_least_one_block():
 
 
 def without_float0(tree):
-    """Float0 leaves (int params' gradients) as their shapes: chex compares no float0 arrays."""
-    return jax.tree_util.tree_map(lambda a: a.shape if a.dtype == jax.dtypes.float0 else a, tree)
+    """Float0 leaves (int params' gradients) as their shapes and keys as their data: chex compares neither."""
+    def plain(a):
+        if a.dtype == jax.dtypes.float0:
+            return a.shape
+        return jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+
+    return jax.tree_util.tree_map(plain, tree)
 
 
-def plain_loss(params_list, x):
-    """The stack of `two_segments` written out: block 0 alone, then the scanned three."""
+def sided(p, x, s):
+    return block(p, x) * s
+
+
+def plain_loss(params_list, x, s):
+    """The stack of `two_segments` with a side input, written out: block 0 alone, then the scanned three."""
     head, body = params_list
-    h = block(head, x)
+    h = sided(head, x, s)
     for i in range(3):
-        h = block(jax.tree_util.tree_map(lambda a: a[i], body), h)
+        h = sided(jax.tree_util.tree_map(lambda a: a[i], body), h, s)
     return jnp.sum(jnp.sin(h))
 
 
@@ -92,16 +103,35 @@ def two_segments():
     return [head, params_of(3)]
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_host_unrolled_copies_each_boundary_to_the_host_and_back_once(depth):
+    stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x @ w), storage=HostUnrolled())
+    text = str(jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(stack(p, x))))(jnp.ones((depth, 8, 8)), X))
+    copies = re.findall(r":(\S+) = device_put", text)
+    assert sorted(copies) == ["f32<host>[2,8]"] * depth + ["f32[2,8]"] * depth, copies
+
+
 def test_host_unrolled_gradients_equal_plain_autodiff_and_int_params_get_float0():
-    params = two_segments()
-    want_value, want = jax.value_and_grad(plain_loss, argnums=(0, 1), allow_int=True)(params, X)
+    params, side = two_segments(), jnp.linspace(0.5, 1.5, 8)
+    # the side input is a constant to the stack (its cotangent is zero): not differentiated here
+    want_value, want = jax.value_and_grad(plain_loss, argnums=(0, 1), allow_int=True)(params, X, side)
     for storage in (HostUnrolled(), [Host(), HostUnrolled()]):
-        stack = eae_jax.reconstruct([block, eae_jax.Scan(block)], storage=storage)
-        value, got = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(stack(p, x))), argnums=(0, 1),
-                                                allow_int=True))(params, X)
+        stack = eae_jax.reconstruct([sided, eae_jax.Scan(sided)], storage=storage)
+        value, got = jax.jit(jax.value_and_grad(lambda p, x, s: jnp.sum(jnp.sin(stack(p, x, side=s))),
+                                                argnums=(0, 1), allow_int=True))(params, X, side)
         np.testing.assert_allclose(value, want_value, rtol=1e-6)
-        chex.assert_trees_all_close(without_float0(got), without_float0(want), rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(without_float0(got), without_float0(want), rtol=1e-5, atol=1e-5)
         assert got[0][1]["n"].dtype == jax.dtypes.float0 and got[0][1]["n"].shape == (3,)
+
+
+def test_host_unrolled_recomputes_a_bfloat16_stack_in_bfloat16():
+    # the boundaries come back in the input's dtype: the block's VJP must see bfloat16, as the device store's does
+    params = {"w": params_of(3)["w"].astype(jnp.bfloat16), "n": jnp.zeros(3, jnp.bfloat16)}
+    x = X.astype(jnp.bfloat16)
+    grads = [jax.jit(jax.grad(lambda p, xx: jnp.sum(jnp.sin(s(p, xx)).astype(jnp.float32)), argnums=(0, 1)))(params, x)
+             for s in (eae_jax.reconstruct(block, storage=HostUnrolled()), eae_jax.reconstruct(block, storage=OnDevice()))]
+    assert grads[0][1].dtype == jnp.bfloat16 and grads[0][0]["w"].dtype == jnp.bfloat16
+    chex.assert_trees_all_close(grads[0], grads[1], rtol=1e-2, atol=1e-2)
 
 
 def carry_step(stack, params):
@@ -118,9 +148,9 @@ def carry_step(stack, params):
 
 
 def test_host_unrolled_runs_the_passes_at_each_boundary_like_the_device_store():
-    # bfloat16 boundaries (recomputed from in float32), a pass at boundary 2 only (the second block of the unrolled run, which starts at boundary 1),
-    # a stateful quantizer and a clip at every boundary: gradients, pass state and statistics
-    passes = chain(int8_fake_quant(), at_layers(decay(0.5), [2]), clip_by_norm(0.5))
+    # bfloat16 boundaries (recomputed from in float32), noise drawn from each block's own key (pass state), (the second block of the unrolled run, which starts at boundary 1),
+    # a pass at boundary 2 only, a clip at every boundary: gradients, pass state and statistics
+    passes = chain(gaussian_noise(0.01), at_layers(decay(0.5), [2]), clip_by_norm(0.5))
     params = two_segments()
     got, want = (carry_step(eae_jax.reconstruct([block, eae_jax.Scan(block)], passes=passes, storage=s), params)
                  for s in (HostUnrolled("bfloat16"), OnDevice("bfloat16")))
@@ -128,7 +158,7 @@ def test_host_unrolled_runs_the_passes_at_each_boundary_like_the_device_store():
     assert got[4]["adjoint_norm"].shape == (5,) and bool(jnp.all(got[4]["adjoint_norm"] > 0))
     # the decay acted at boundary 2: without it the gradients differ
     other = carry_step(eae_jax.reconstruct([block, eae_jax.Scan(block)], passes=chain(
-        int8_fake_quant(), at_layers(decay(0.5), [3]), clip_by_norm(0.5)), storage=HostUnrolled("bfloat16")), params)
+        gaussian_noise(0.01), at_layers(decay(0.5), [3]), clip_by_norm(0.5)), storage=HostUnrolled("bfloat16")), params)
     assert not np.allclose(other[1][0]["w"], got[1][0]["w"])
 
 

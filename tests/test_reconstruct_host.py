@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import eae_jax
+from jaxpr_walk import all_eqns
 from eae_jax.passes import at_layers, chain, clip_by_norm, decay, gaussian_noise
 from eae_jax.reconstruct import Host, HostUnrolled, OnDevice, Segment, SegmentLayout
 
@@ -109,6 +110,18 @@ def test_host_unrolled_copies_each_boundary_to_the_host_and_back_once(depth):
     text = str(jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(stack(p, x))))(jnp.ones((depth, 8, 8)), X))
     copies = re.findall(r":(\S+) = device_put", text)
     assert sorted(copies) == ["f32<host>[2,8]"] * depth + ["f32[2,8]"] * depth, copies
+
+
+def test_host_unrolled_fences_each_copy_back_with_the_block_it_overlaps():
+    # the copy of boundary i-1 must be done when block i's backward is: a barrier on the copy, block i's
+    # input adjoint and its gradients, for every block but the first (XLA:CPU ignores memory placement,
+    # so the schedule is checked in the program, not in compiled memory)
+    stack = eae_jax.reconstruct(lambda w, x: jnp.tanh(x @ w), storage=HostUnrolled())
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p, x: jnp.sum(stack(p, x))))(jnp.ones((3, 8, 8)), X).jaxpr
+    eqns = list(all_eqns(jaxpr))
+    back = {v for e in eqns if e.primitive.name == "device_put" for v in e.outvars if "<host>" not in str(v.aval)}
+    fenced = [e for e in eqns if e.primitive.name == "optimization_barrier" and back & set(e.invars)]
+    assert len(back) == 3 and len(fenced) == 2 and all(len(e.invars) == 3 for e in fenced), fenced
 
 
 def test_host_unrolled_gradients_equal_plain_autodiff_and_int_params_get_float0():

@@ -142,7 +142,8 @@ def test_host_unrolled_recomputes_a_bfloat16_stack_in_bfloat16():
     params = {"w": params_of(3)["w"].astype(jnp.bfloat16), "n": jnp.zeros(3, jnp.bfloat16)}
     x = X.astype(jnp.bfloat16)
     grads = [jax.jit(jax.grad(lambda p, xx: jnp.sum(jnp.sin(s(p, xx)).astype(jnp.float32)), argnums=(0, 1)))(params, x)
-             for s in (eae_jax.reconstruct(block, storage=HostUnrolled()), eae_jax.reconstruct(block, storage=OnDevice()))]
+             for s in (eae_jax.reconstruct(block, storage=HostUnrolled()),
+                       eae_jax.reconstruct(block, storage=OnDevice()))]
     assert grads[0][1].dtype == jnp.bfloat16 and grads[0][0]["w"].dtype == jnp.bfloat16
     chex.assert_trees_all_close(grads[0], grads[1], rtol=1e-2, atol=1e-2)
 
@@ -161,8 +162,9 @@ def carry_step(stack, params):
 
 
 def test_host_unrolled_runs_the_passes_at_each_boundary_like_the_device_store():
-    # bfloat16 boundaries (recomputed from in float32), noise drawn from each block's own key (pass state), (the second block of the unrolled run, which starts at boundary 1),
-    # a pass at boundary 2 only, a clip at every boundary: gradients, pass state and statistics
+    # bfloat16 boundaries (recomputed from in float32), noise drawn from each block's own key (pass
+    # state), a pass at boundary 2 only (the second block of the unrolled run, which starts at boundary 1)
+    # and a clip at every boundary: gradients, pass state and statistics
     passes = chain(gaussian_noise(0.01), at_layers(decay(0.5), [2]), clip_by_norm(0.5))
     params = two_segments()
     got, want = (carry_step(eae_jax.reconstruct([block, eae_jax.Scan(block)], passes=passes, storage=s), params)

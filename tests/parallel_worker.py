@@ -333,7 +333,44 @@ def budget(tmp: str) -> dict:
             "one_device": one_device, "pipeline": pipeline}
 
 
-MODES = {"meshes": meshes, "passes": passes, "fsdp": fsdp, "train": train_run, "budget": budget}
+def budget_mesh(tmp: str) -> dict:
+    """`plan_memory` and a `MemoryBudget` given a data-parallel mesh of every device: the
+    verified step's peak (one device's), and that of the step compiled by hand with the
+    params replicated and the batch split, and unsplit."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import eae_jax
+    from eae_jax.reconstruct import MemoryBudget, OnDevice, default_options, plan_memory
+    from eae_jax.reconstruct.budget import planned_for
+    from eae_jax.reconstruct.costs import Costs, OptionCost, SegmentCosts
+
+    def block(w, x):
+        return jnp.tanh(x @ w)
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    params, x = jnp.ones((4, 64, 64)) / 64, jnp.ones((len(jax.devices()) * 8, 64))
+    costs = Costs([SegmentCosts("blocks", 4, True, {"device": OptionCost(100, 50, 0, 1e-3, 0)})], "device", 300,
+                  1e-2, 1024, 1024, "flops", "cpu")
+    device = [o for o in default_options() if o.name == "device"]
+    plain = eae_jax.reconstruct(block, storage=OnDevice())
+
+    def step(p, xx):
+        return jax.value_and_grad(lambda q: jnp.sum(plain(q, xx)))(p)
+
+    def peak(jitted):
+        ma = jitted.lower(params, x).compile().memory_analysis()
+        return ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
+
+    split = (NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data")))
+    stack = eae_jax.reconstruct(block)
+    budgeted = eae_jax.reconstruct(block, memory_budget=MemoryBudget(1 << 30, options=device, costs=costs, mesh=mesh))
+    return {"plan_memory": plan_memory(stack, params, x, 1 << 30, options=device, costs=costs, mesh=mesh).compiled_peak,
+            "memory_budget": planned_for(budgeted, {}, params, x).compiled_peak,
+            "split": peak(jax.jit(step, in_shardings=split)), "whole": peak(jax.jit(step))}
+
+
+MODES = {"meshes": meshes, "passes": passes, "fsdp": fsdp, "train": train_run, "budget": budget,
+         "budget_mesh": budget_mesh}
 
 if __name__ == "__main__":
     mode, tmp = sys.argv[1], sys.argv[2]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from eae_jax.reconstruct.costs import (Costs, Option, compiled_peak, default_loss, measure_costs, nbytes,
                                        stack_output)
-from eae_jax.reconstruct.planner import BudgetError, Plan, make_plan, parse_budget
+from eae_jax.reconstruct.planner import BudgetError, Plan, fmt_bytes, make_plan, parse_budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,8 @@ def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable]
         wrapped in `eae_jax.parallel.Sharded`); probes and the verifying
         compile run those, the plan keeps the unwrapped ones.
       verify: compile the planned step once; when it needs more than the
-        budget, plan again leaving that much unused (up to three times).
+        budget, plan again leaving that much unused and compile that plan
+        (up to `REPLANS` times).
       reserve: bytes of the budget left free for what the runtime allocates
         beside the compiled step (GEMM library workspaces, the allocator's
         rounding); ``'auto'``: `runtime_reserve`.
@@ -98,7 +99,8 @@ def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable]
       A `Plan`: ``print(plan)``; ``reconstruct(blocks, storage=plan.storages)``.
 
     Raises:
-      BudgetError: the budget is below the floor (the message names it).
+      BudgetError: the budget is below the floor (the message names it),
+        or with ``verify`` the last plan's compiled step still needs more.
 
     >>> import jax.numpy as jnp
     >>> from eae_jax.reconstruct import reconstruct
@@ -128,15 +130,23 @@ def plan_memory(stack, params, x, budget, side=None, *, loss: Optional[Callable]
     plan = planned(margin)
     if not verify:
         return plan
-    for _ in range(3):
+    for replans in range(REPLANS + 1):
         peak = step_peak(stack, plan, params, x, side, loss=loss, loss_args=loss_args, in_shardings=shardings,
                          wrap=wrap)
         peak += plan.optimizer
         if peak + reserve <= plan.budget:
-            break
-        margin += peak + reserve - plan.budget
-        plan = planned(margin)
-    return dataclasses.replace(plan, compiled_peak=int(peak))
+            return dataclasses.replace(plan, compiled_peak=int(peak))
+        if replans < REPLANS:
+            margin += peak + reserve - plan.budget
+            plan = planned(margin)
+    # the last plan was compiled too: its step, not an earlier one's, is what does not fit
+    raise BudgetError(f"memory budget {fmt_bytes(plan.budget)}: the compiled step still needs {fmt_bytes(peak)} + "
+                      f"{fmt_bytes(reserve)} kept free after {REPLANS} plans, each leaving what the last one needed "
+                      f"beyond its prediction unused (predicted {fmt_bytes(plan.peak)})")
+
+
+#: Times `plan_memory` plans again after a verifying compile needed more than the budget.
+REPLANS = 3
 
 
 #: Bytes an accelerator's runtime allocates beside a compiled step (cuBLAS and

@@ -143,6 +143,7 @@ def test_fmt_bytes_switches_units_at_each_power_of_1024(n, text):
 
 @pytest.mark.parametrize("t, text", [
     (1e-3, "1.00 ms"), (-1e-3, "-1.00 ms"), (0.0123, "12.30 ms"), (9.99e-4, "999.0 µs"), (-4.1e-6, "-4.1 µs"),
+    (1.23499999e-5, "12.3 µs"), (1.23499999e-2, "12.35 ms"), (1.2344999e-2, "12.34 ms"),
     (0.0, "0.0 µs")])
 def test_fmt_seconds_switches_to_microseconds_below_a_millisecond(t, text):
     assert fmt_seconds(t) == text
@@ -456,3 +457,34 @@ def test_the_table_names_an_offloaded_optimizer_the_reserve_and_the_compiled_pea
         "for the runtime",
         "compiled step peak 512.0 MiB (prediction / compiled 2.000)",
         "predicted step time 12.30 ms (flops timing, cpu)"]
+
+
+def test_a_two_block_scan_is_never_split_one_and_one():
+    """Depth 2: the search upgrades one block, leaving 1 + 1; the repair must merge them (the fastest
+    pair that fits), every budget met exactly."""
+    costs = scanned_costs()
+    costs.segments[0] = SegmentCosts("blocks", 2, True, costs.segments[0].options)
+    peaks = sorted({p for _, p, _ in all_plans(costs)})
+    for budget in sorted(set(peaks) | set(range(peaks[0], peaks[-1] + 50, 10))):
+        plan = make_plan(costs, budget)
+        assert len(plan.segments[0].runs) == 1, (budget, plan.segments)
+        check_plan(costs, budget, plan)
+
+
+def test_a_lone_run_is_repaired_with_what_an_earlier_repair_freed():
+    """Hand-traced greedy on an additive model (kept = bytes, no working memory: the peak is
+    ``fixed + sum of block bytes``), 250 bytes over the start. Up the hulls: A's upgrade buys 5 ms per
+    100 B, B's 1 ms per 50 B: A, A (200 B; a third, 300 B, does not fit), then B once (250 B): A is
+    1 device + 2 dots, B 3 device + 1 dots. No further move fits. A's lone run cannot take a second
+    block (no neighbour run of 3, the upgrade does not fit), so it steps down: A all on the device
+    (50 B used). B's lone run then takes a second block from its run of 3 (100 B, 1 ms faster)."""
+    a = SegmentCosts("a", 3, True, {"device": OptionCost(100, 100, 0, 10e-3, 0),
+                                    "dots": OptionCost(200, 200, 0, 5e-3, 0)})
+    b = SegmentCosts("b", 4, True, {"device": OptionCost(100, 100, 0, 10e-3, 0),
+                                    "dots": OptionCost(150, 150, 0, 9e-3, 0)})
+    costs = Costs([a, b], "device", 5000, 0.1, 0, 0, "flops", "cpu")
+    start = 5000 - 400 + 700
+    plan = make_plan(costs, start + 250)
+    assert [s.runs for s in plan.segments] == [((3, "device"),), ((2, "device"), (2, "dots"))]
+    # Base 0.1 s less the 4 reference blocks it holds, plus 7 blocks at 10 ms, less 2 x 1 ms.
+    assert plan.peak == start + 100 and plan.seconds == pytest.approx(0.1 - 0.04 + 0.07 - 2e-3, rel=1e-12)

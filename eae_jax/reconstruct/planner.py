@@ -357,6 +357,17 @@ def _no_single_runs(c: _Choice, fits) -> None:
             if fits(c, a, b):
                 c.move(a, b)
                 break
+    # Where no such move fits (3 blocks as 1 + 2, say), step down the ladder:
+    # the lone block joins the run below it, or the run above lends it one.
+    while True:
+        held = [o for o in c.allowed if c.counts[o]]
+        lone = next((i for i, o in enumerate(held) if c.counts[o] == 1), None)
+        if lone is None:
+            return
+        a, b = (held[lone], held[lone - 1]) if lone else (held[1], held[0])
+        if not fits(c, a, b):
+            return
+        c.move(a, b)
 
 
 def _caps(costs: Costs) -> List[int]:
@@ -446,7 +457,7 @@ def make_plan(costs: Costs, budget: Any, *, options: Optional[Sequence[Option]] 
         parsed = int(fixed + optimizer_bytes + parsed * (every - fixed))
     host_rate = host_bytes_per_s or device_rates()[1]
     candidates = []
-    if offload_optimizer in ("auto", False):
+    if offload_optimizer in ("auto", False) or not optimizer_bytes:
         best = _best(costs, parsed - margin - optimizer_bytes, rank)
         if best:
             candidates.append((best, optimizer_bytes, False, 0.0))

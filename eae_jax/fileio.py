@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from typing import Optional
 
 
@@ -29,6 +30,32 @@ def new_file_mode(replacing: Optional[str] = None) -> int:
     umask = os.umask(0)
     os.umask(umask)
     return 0o666 & ~umask
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and one rename.
+
+    Example:
+      >>> import os, tempfile
+      >>> from eae_jax.fileio import atomic_write_bytes
+      >>> path = os.path.join(tempfile.mkdtemp(), "f.bin")
+      >>> atomic_write_bytes(path, b"abc")
+      >>> open(path, "rb").read(), os.listdir(os.path.dirname(path))
+      (b'abc', ['f.bin'])
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, new_file_mode(path))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 #: Magic numbers of the file kinds `sniff` names (checked in this order).

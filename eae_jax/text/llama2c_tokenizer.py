@@ -22,7 +22,8 @@ import re
 import struct
 from typing import Dict, List, Optional, Sequence
 
-from eae_jax.text.tokenizer import Tokenizer, atomic_write_bytes
+from eae_jax.fileio import atomic_write_bytes
+from eae_jax.text.tokenizer import Tokenizer
 
 _BYTE_PIECE = re.compile(rb"^<0x([0-9A-Fa-f]{2})>$")
 #: run.c only merges pairs whose score beats this.

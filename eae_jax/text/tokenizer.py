@@ -28,10 +28,9 @@ import abc
 import hashlib
 import json
 import os
-import tempfile
 from typing import Iterable, List, Optional, Sequence
 
-from eae_jax.fileio import new_file_mode
+from eae_jax.fileio import atomic_write_bytes
 
 #: The special token that separates documents (and starts prompts) in `ByteTokenizer` and `train_bpe` vocabularies.
 ENDOFTEXT = "<|endoftext|>"
@@ -40,32 +39,6 @@ BOS_NAMES = ("<s>", "<|begin_of_text|>", "<|endoftext|>", "<bos>")
 EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
 #: The file each kind saves to, in the order `find_tokenizer` looks for them.
 TOKENIZER_FILES = ("tokenizer_bytes.json", "tokenizer.json", "tokenizer.bin")
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and one rename.
-
-    Example:
-      >>> import os, tempfile
-      >>> from eae_jax.text.tokenizer import atomic_write_bytes
-      >>> path = os.path.join(tempfile.mkdtemp(), "f.bin")
-      >>> atomic_write_bytes(path, b"abc")
-      >>> open(path, "rb").read(), os.listdir(os.path.dirname(path))
-      (b'abc', ['f.bin'])
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, new_file_mode(path))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 class Tokenizer(abc.ABC):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from typing import Callable, Optional
 
 import jax
 
+from eae_jax.fileio import atomic_write_bytes
 from eae_jax.reconstruct.costs import Costs
 
 FILENAME = "memory_costs.json"
@@ -86,13 +86,5 @@ def save_costs(out: str, key: dict, costs: Costs) -> Optional[str]:
     if jax.process_index() != 0 or not os.path.isdir(out):
         return None
     path = os.path.join(out, FILENAME)
-    fd, tmp = tempfile.mkstemp(prefix=".memory_costs_", suffix=".json", dir=out)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "costs": costs.to_json()}, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, json.dumps({"key": key, "costs": costs.to_json()}).encode())
     return path

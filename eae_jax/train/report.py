@@ -10,10 +10,11 @@
 
 from __future__ import annotations
 
+import io
 import math
-import os
-import tempfile
 from typing import Iterable, List, Optional
+
+from eae_jax.fileio import atomic_write_bytes
 
 #: Record fields written to TensorBoard, and their tags.
 TB_TAGS = {"loss": "loss/train", "val_loss": "loss/validation", "lr": "optim/learning_rate",
@@ -129,24 +130,10 @@ def plot_losses(records: List[dict], path: str, title: str = "") -> str:
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".loss_", suffix=".png", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    atomic_write_bytes(path, png.getvalue())
     return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def summarize(records: List[dict]) -> dict:
